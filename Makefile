@@ -1,0 +1,39 @@
+# FlatCake: the README's first two commands are `make demo` and `make test`.
+# Both create .venv on first use. torch is pinned to the CPU build 2.13.0 so pip
+# never pulls a multi-GB CUDA build on a GPU-less machine.
+PY ?= python3
+VENV := .venv
+VPY := $(VENV)/bin/python
+PIP := $(VPY) -m pip
+TORCH_PIN := torch==2.13.0
+STAMP := $(VENV)/.flatcake-installed
+
+.PHONY: venv demo test bench clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(VPY) || $(PY) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q $(TORCH_PIN)
+	# sglang without its (CUDA) dependency tree, plus the minimal set it needs to import
+	$(PIP) install -q --no-deps sglang==0.5.23
+	$(PIP) install -q -c constraints-cpu.txt numpy orjson psutil pybase64 requests packaging \
+		pillow starlette msgspec triton pydantic pyzmq tqdm ipython aiohttp \
+		xxhash pyyaml matplotlib pytest
+	# kvikio without cupy / the CUDA toolkit (host I/O needs neither)
+	$(PIP) install -q --no-deps kvikio-cu12 libkvikio-cu12 nvidia-cufile-cu12 rapids-logger cuda-pathfinder
+	$(PIP) install -q --no-deps -e .
+	touch $(STAMP)
+
+demo: venv
+	$(VPY) scripts/replay_trace.py --config configs/demo.yaml --out runs/demo
+
+test: venv
+	TRITON_INTERPRET=1 $(VPY) -m pytest -q tests
+
+bench: venv
+	$(VPY) scripts/bench_restore.py
+
+clean:
+	rm -rf runs build *.egg-info

@@ -1,0 +1,232 @@
+"""FlatCake configuration: one typed, validated model (YAML -> pydantic), overridden by
+SGLang's ``--hicache-storage-backend-extra-config`` JSON.
+
+Lifecycle: ``load_config(yaml_path, overrides)`` -> :class:`FlatCakeConfig` (frozen). Bad
+configuration fails at start-up with :class:`ConfigError`, whose message names the field
+(``ssd.file_bytes: must be a multiple of 4096``). ``docs/configuration.md`` lists every key
+with its unit and default.
+
+Override syntax (extra-config JSON, highest precedence first):
+
+* dotted keys: ``{"ssd.path": "/nvme/fc", "cio.gap_bytes": 65536}``
+* nested objects: ``{"ssd": {"path": "/nvme/fc"}}``
+* ``flatcake_config``: a YAML file to start from (instead of ``configs/default.yaml``).
+
+Keys that SGLang itself puts into the extra config (``backend_name``, ``module_path``,
+``class_name``, ``interface_v1``, ``file_storage_path``, ...) are not FlatCake keys; the
+SGLang adapter strips them (see :data:`SGLANG_RESERVED_KEYS`) before calling
+:func:`load_config`.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any, Literal, Mapping, Optional
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+ALIGN = 4096  # bytes: O_DIRECT / GDS alignment of every SSD offset, length and buffer
+
+#: Keys SGLang passes through the extra config that are not FlatCake settings.
+SGLANG_RESERVED_KEYS = frozenset(
+    {
+        "backend_name",
+        "module_path",
+        "class_name",
+        "interface_v1",
+        "file_storage_path",
+        "enable_metadata_cache",
+        "metadata_ttl",
+        "prefetch_threshold",
+        "prefetch_timeout_base",
+        "prefetch_timeout_per_ki_token",
+        "hicache_storage_pass_prefix_keys",
+        "tp_lcm_size",
+    }
+)
+
+DEFAULT_CONFIG_PATH = Path(__file__).resolve().parent.parent / "configs" / "default.yaml"
+
+
+class ConfigError(ValueError):
+    """Invalid FlatCake configuration; the message names the offending field."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class DramConfig(_Section):
+    """DRAM medium (paper §3.1, FC-GVA medium 0): one region allocated at start-up."""
+
+    capacity_bytes: int = Field(1 << 30, ge=0, description="bytes of the DRAM region")
+    high_watermark: float = Field(0.95, gt=0, le=1, description="reclaim above this fill fraction")
+    low_watermark: float = Field(0.85, ge=0, lt=1, description="reclaim down to this fill fraction")
+    pin: Literal["auto", "on", "off"] = "auto"
+
+    @model_validator(mode="after")
+    def _marks(self):
+        if self.low_watermark >= self.high_watermark:
+            raise ValueError("low_watermark must be below high_watermark")
+        return self
+
+
+class SsdConfig(_Section):
+    """SSD medium (paper §3.1/§3.3): a pool of preallocated single-extent files."""
+
+    path: str = Field("/tmp/flatcake-ssd", description="directory of the file pool")
+    file_bytes: int = Field(256 << 20, gt=0, description="bytes per preallocated file (one extent)")
+    max_files: int = Field(64, ge=1, description="files in the pool; capacity = max_files * file_bytes")
+    high_watermark: float = Field(0.90, gt=0, le=1)
+    low_watermark: float = Field(0.75, ge=0, lt=1)
+    direct_io: Literal["auto", "on", "off"] = "auto"
+    preallocate: bool = Field(True, description="fallocate each file when it is first used")
+
+    @field_validator("file_bytes")
+    @classmethod
+    def _aligned(cls, v: int) -> int:
+        if v % ALIGN:
+            raise ValueError(f"must be a multiple of {ALIGN}")
+        if v >= 1 << 48:
+            raise ValueError("must be below 2**48 (GVA offset field)")
+        return v
+
+    @model_validator(mode="after")
+    def _marks(self):
+        if self.low_watermark >= self.high_watermark:
+            raise ValueError("low_watermark must be below high_watermark")
+        if self.file_bytes * self.max_files >= 1 << 48:
+            raise ValueError("max_files * file_bytes must be below 2**48 (GVA offset field)")
+        return self
+
+
+class PlacementConfig(_Section):
+    """Write-time placement thresholds (paper Table 2)."""
+
+    l_agent_tokens: int = Field(32768, ge=1, description="context >= this -> agent scope (SSD)")
+    tau_tokens: int = Field(4096, ge=1, description="reply >= this -> agent scope (SSD)")
+    short_reply_tokens: int = Field(1024, ge=0, description="previous reply below this is 'short'")
+    shared_refcount: int = Field(2, ge=2, description="prefix reference count >= this is a shared prompt")
+
+
+class CioConfig(_Section):
+    """Coalescing direct-I/O engine (paper §3.3, FC-CIO)."""
+
+    engine: Literal["auto", "posix", "kvikio"] = "auto"
+    gap_bytes: int = Field(64 << 10, ge=0, description="bridge holes smaller than this by over-reading")
+    max_io_bytes: int = Field(16 << 20, ge=ALIGN, description="split merged reads larger than this")
+    io_workers: int = Field(4, ge=1, le=256)
+    staging_bytes: int = Field(0, ge=0, description="bytes per staging buffer (2 of them); 0 = auto")
+    windows: int = Field(1, ge=1, le=64, description="double-buffered staging windows (concurrent restores)")
+    scatter: Literal["auto", "triton", "torch"] = "auto"
+    verify_checksums: bool = Field(True, description="check each chunk's xxh3 in staging before scatter")
+
+    @field_validator("max_io_bytes", "staging_bytes")
+    @classmethod
+    def _aligned(cls, v: int) -> int:
+        if v % ALIGN:
+            raise ValueError(f"must be a multiple of {ALIGN}")
+        return v
+
+
+class FlatCakeConfig(_Section):
+    """All FlatCake backend settings. Unknown keys are errors (``extra='forbid'``)."""
+
+    node_id: int = Field(0, ge=0, lt=1 << 12, description="GVA node field [59:48]")
+    dram: DramConfig = DramConfig()
+    ssd: SsdConfig = SsdConfig()
+    placement: PlacementConfig = PlacementConfig()
+    cio: CioConfig = CioConfig()
+    # Sections used only by scripts (replay, benchmarks); the backend ignores them.
+    model: Optional[dict[str, Any]] = None
+    replay: Optional[dict[str, Any]] = None
+
+
+def _deep_merge(base: dict, over: Mapping) -> dict:
+    out = copy.deepcopy(base)
+    for k, v in over.items():
+        if isinstance(v, Mapping) and isinstance(out.get(k), dict):
+            out[k] = _deep_merge(out[k], v)
+        else:
+            out[k] = copy.deepcopy(v) if isinstance(v, (dict, list)) else v
+    return out
+
+
+def _undot(over: Mapping[str, Any]) -> dict:
+    """``{"ssd.path": x}`` -> ``{"ssd": {"path": x}}``; nested dicts pass through."""
+    out: dict = {}
+    for key, val in over.items():
+        parts = str(key).split(".")
+        cur = out
+        for p in parts[:-1]:
+            nxt = cur.setdefault(p, {})
+            if not isinstance(nxt, dict):
+                raise ConfigError(f"{key}: conflicts with a non-section value for '{p}'")
+            cur = nxt
+        if isinstance(val, Mapping) and isinstance(cur.get(parts[-1]), dict):
+            cur[parts[-1]] = _deep_merge(cur[parts[-1]], val)
+        else:
+            cur[parts[-1]] = val
+    return out
+
+
+def read_yaml(path: str | Path) -> dict:
+    """Read one YAML mapping. Raises :class:`ConfigError` naming the file on any problem."""
+    p = Path(path)
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except FileNotFoundError:
+        raise ConfigError(f"flatcake_config: file not found: {p}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"flatcake_config: {p} is not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"flatcake_config: {p} must hold a mapping at top level")
+    return data
+
+
+def _format_validation_error(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        loc = ".".join(str(x) for x in e["loc"]) or "<root>"
+        msg = e["msg"]
+        if e["type"] == "extra_forbidden":
+            msg = "unknown key"
+        lines.append(f"{loc}: {msg} (got {e.get('input')!r})")
+    return "invalid FlatCake configuration: " + "; ".join(lines)
+
+
+def load_config(
+    path: str | Path | None = None, overrides: Mapping[str, Any] | None = None
+) -> FlatCakeConfig:
+    """Build the validated configuration.
+
+    Args:
+        path: YAML file; ``None`` uses ``overrides['flatcake_config']`` if present, else
+            ``configs/default.yaml`` when it exists, else the built-in defaults.
+        overrides: extra-config style mapping (dotted or nested keys); wins over the YAML.
+
+    Returns:
+        A frozen :class:`FlatCakeConfig`.
+
+    Raises:
+        ConfigError: unknown key, wrong type or out-of-range value; the message names the
+            field, e.g. ``cio.gap_bytes: Input should be greater than or equal to 0``.
+    """
+    over = dict(overrides or {})
+    yaml_path = over.pop("flatcake_config", None) or path
+    if yaml_path is None and DEFAULT_CONFIG_PATH.exists():
+        yaml_path = DEFAULT_CONFIG_PATH
+    base = read_yaml(yaml_path) if yaml_path is not None else {}
+    merged = _deep_merge(base, _undot(over))
+    try:
+        return FlatCakeConfig.model_validate(merged)
+    except ValidationError as e:
+        raise ConfigError(_format_validation_error(e)) from None
+
+
+def config_from_extra(extra_config: Mapping[str, Any] | None) -> FlatCakeConfig:
+    """Config from SGLang's extra-config dict: strip SGLang's own keys, then :func:`load_config`."""
+    over = {k: v for k, v in (extra_config or {}).items() if k not in SGLANG_RESERVED_KEYS}
+    return load_config(None, over)

@@ -1,0 +1,1 @@
+"""FlatCake kernels (installed as ``flatcake.kernels``): the FC-CIO page scatter."""
