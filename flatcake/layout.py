@@ -163,6 +163,30 @@ class KvPageLayout:
         )
 
     @classmethod
+    def from_flat_pages(cls, flat: torch.Tensor, pool) -> "KvPageLayout":
+        """View ``n`` flat data pages (SGLang's generic path: ``pool.get_data_page(i)`` /
+        ``get_dummy_flat_data_page()`` format, stacked as ``[n, page_numel]`` in the pool's
+        dtype) as a paged buffer of ``n`` pages with the pool's geometry.
+
+        Raises:
+            UnsupportedLayoutError: as :meth:`from_host_pool`.
+        """
+        ref = cls.from_host_pool(pool)
+        g = ref.geometry
+        L, P, layout, n = g.layers, g.page_size, pool.layout, int(flat.shape[0])
+        b = _u8(flat.reshape(n, -1))
+        is_mla = ref.name.startswith("mla")
+        planes = [b.reshape(n, 1, -1)] if is_mla else [b.reshape(n, 2, -1)[:, 0], b.reshape(n, 2, -1)[:, 1]]
+        views4 = []
+        for t, rb in zip(planes, g.plane_row_bytes):
+            t = t.reshape(n, -1)
+            if layout == "page_first":  # page = [P, L, row]
+                views4.append(t.reshape(n, P, L, rb).permute(0, 2, 1, 3))
+            else:  # layer_first [L, P, row]; page_first_direct [1, L, P, row]
+                views4.append(t.reshape(n, L, P, rb))
+        return cls(g, lambda layer: [v[:, layer] for v in views4], n, flat.device, ref.name + "-flat")
+
+    @classmethod
     def from_device_kv(
         cls,
         k_layers: Sequence[torch.Tensor],

@@ -1,0 +1,291 @@
+"""``FlatCakeStorage``: the SGLang ``HiCacheStorage`` (L3) adapter over :class:`flatcake.store.PageStore`.
+
+Lifecycle (as SGLang 0.5.23's ``HiCacheController.attach_storage_backend`` drives it)::
+
+    FlatCakeStorage(storage_config, kwargs)     # config parsed + validated, ssd.path checked
+      -> register_mem_pool_host(host_pool)      # layout checked, namespace fixed, store opened
+      -> batch_exists / batch_get_v1 / batch_set_v1 from 3 threads (prefetch, prefetch IO, backup)
+      -> clear() / close()
+
+Selected with ``--hicache-storage-backend dynamic`` and the extra config
+``{"backend_name": "flatcake", "module_path": "flatcake", "class_name": "FlatCakeStorage",
+"interface_v1": 1, "hicache_storage_pass_prefix_keys": true, ...flatcake keys}``, or the literal
+``--hicache-storage-backend flatcake`` through the ``flatcake-sglang`` launcher.
+
+Errors as values at the boundary: bad configuration, an unusable ``ssd.path`` or an
+unsupported host-pool layout raise at start-up (construction / registration, so the attach
+fails with the field named). After that no method raises into SGLang's threads: an I/O fault
+is a miss (``False`` / ``None`` / a shorter leading run) or a failed put, logged once per errno.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any, List, Optional
+
+import torch
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
+
+from flatcake.config import FlatCakeConfig, config_from_extra
+from flatcake.layout import KvPageLayout, UnsupportedLayoutError
+from flatcake.media.ssd import SsdStartupError, probe_direct_io  # noqa: F401  (re-exported for callers)
+from flatcake.store import PageStore
+
+log = logging.getLogger("flatcake")
+
+
+def make_namespace(cfg: HiCacheStorageConfig, pool, layout: KvPageLayout) -> str:
+    """The key namespace: pages written under one namespace are never read under another.
+
+    Includes the model name, TP rank/size (MHA only: MLA KV is replicated across TP ranks),
+    PP and attention-CP ranks, page size, KV dtype, host layout, bytes per page.
+    """
+    parts = ["flatcake-v1", f"model={cfg.model_name or ''}"]
+    if cfg.is_mla_model:
+        parts.append("mla")
+    else:
+        parts.append(f"tp={cfg.tp_rank}/{cfg.tp_size}")
+    parts += [
+        f"pp={cfg.pp_rank}/{cfg.pp_size}",
+        f"cp={cfg.attn_cp_rank}/{cfg.attn_cp_size}",
+        f"page={layout.geometry.page_size}",
+        f"dtype={str(pool.dtype).replace('torch.', '')}",
+        f"layout={pool.layout}",
+        f"page_bytes={layout.geometry.page_bytes}",
+    ]
+    if getattr(cfg, "dcp_size", 1) > 1:
+        parts.append(f"dcp={cfg.dcp_rank}/{cfg.dcp_size}")
+    return "|".join(parts)
+
+
+def _prefix(extra_info: Optional[HiCacheStorageExtraInfo]) -> Optional[list]:
+    return extra_info.prefix_keys if extra_info is not None else None
+
+
+class FlatCakeStorage(HiCacheStorage):
+    """SGLang L3 backend implementing FlatCake (paper §3; ``docs/design.md``).
+
+    Args:
+        storage_config: SGLang's :class:`HiCacheStorageConfig`; FlatCake keys come from its
+            ``extra_config`` (dotted or nested, see ``docs/configuration.md``).
+        kwargs: the dynamic factory's extra kwargs (unused; accepted for its signature).
+
+    Raises:
+        flatcake.config.ConfigError: unknown key or bad value (message names the field).
+        flatcake.media.ssd.SsdStartupError: ``ssd.path`` cannot be created or written.
+    """
+
+    def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Optional[dict] = None):
+        self.storage_config = storage_config
+        self.cfg: FlatCakeConfig = config_from_extra(storage_config.extra_config if storage_config else None)
+        self._check_ssd_path()
+        self.store: Optional[PageStore] = None
+        self.layout: Optional[KvPageLayout] = None
+        self.mem_pool_host = None
+        self.is_writer = storage_config.is_storage_writer if storage_config else True
+        self._lock = threading.Lock()
+        self._metrics_lock = threading.Lock()
+        self._prefetch_pgs: list = []
+        self._backup_pgs: list = []
+        self._prefetch_bw: list = []
+        self._backup_bw: list = []
+        self._unready_logged = False
+
+    def _check_ssd_path(self) -> None:
+        import os
+
+        p = self.cfg.ssd.path
+        try:
+            os.makedirs(p, exist_ok=True)
+        except OSError as e:
+            raise SsdStartupError(f"ssd.path {p!r}: cannot create directory: [errno {e.errno}] {e.strerror}") from None
+        if not os.path.isdir(p) or not os.access(p, os.W_OK | os.X_OK):
+            raise SsdStartupError(f"ssd.path {p!r}: not a writable directory")
+
+    # ------------------------------------------------------------------ registration
+    def register_mem_pool_host(self, mem_pool_host) -> None:
+        """Bind the KV host pool: checks its layout (``layer_first``, ``page_first``,
+        ``page_first_direct``; MHA or MLA), fixes the namespace and opens the store.
+
+        Raises:
+            UnsupportedLayoutError: any other layout (named in the message).
+            SsdStartupError: the SSD pool cannot be created.
+        """
+        super().register_mem_pool_host(mem_pool_host)
+        layout = KvPageLayout.from_host_pool(mem_pool_host)
+        with self._lock:
+            if self.store is not None:
+                self.store.close()
+            self.layout = layout
+            self.namespace = make_namespace(self.storage_config, mem_pool_host, layout)
+            self.store = PageStore(self.cfg, layout.geometry, self.namespace)
+        log.info(
+            "flatcake: namespace %s, page %d bytes, DRAM %d slots, SSD %s (%s I/O, %s engine)",
+            self.namespace, layout.geometry.page_bytes, self.store.dram.n_slots, self.cfg.ssd.path,
+            "direct" if self.store.ssd.direct_io else "buffered", getattr(self.store.cio, "engine_name", "?"),
+        )
+
+    def _ready(self) -> bool:
+        if self.store is not None:
+            return True
+        if not self._unready_logged:
+            self._unready_logged = True
+            log.error("flatcake: called before register_mem_pool_host; every call is a miss")
+        return False
+
+    def _page_ids(self, host_indices: torch.Tensor, n: int) -> list:
+        ps = self.mem_pool_host.page_size
+        return (host_indices[: n * ps : ps] // ps).tolist()
+
+    # ------------------------------------------------------------------ queries
+    def exists(self, key: str) -> bool:
+        """True if ``key`` is stored. Never raises."""
+        try:
+            return self._ready() and self.store.exists(key)
+        except Exception as e:  # pragma: no cover - defensive
+            self.store.errors("exists", e) if self.store else None
+            return False
+
+    def batch_exists(self, keys: List[str], extra_info: Optional[HiCacheStorageExtraInfo] = None) -> int:
+        """Length of the leading run of stored keys (SGLang's hit query). Never raises."""
+        try:
+            if not self._ready():
+                return 0
+            return self.store.leading_run(keys, _prefix(extra_info))
+        except Exception as e:
+            self.store.errors("batch_exists", e)
+            return 0
+
+    # ------------------------------------------------------------------ zero-copy (interface_v1)
+    def batch_get_v1(self, keys: List[str], host_indices: torch.Tensor, extra_info: Optional[HiCacheStorageExtraInfo] = None) -> List[bool]:
+        """Read pages into host-pool slots ``host_indices`` (int64, ``len(keys) * page_size``
+        token slots, page ``i`` at ``host_indices[i * page_size]``). Returns per-page success;
+        only the leading run is True. Never raises."""
+        try:
+            if not self._ready() or not keys:
+                return [False] * len(keys)
+            t0 = _now()
+            out = self.store.get(keys, self.layout, self._page_ids(host_indices, len(keys)))
+            self._note_metric(self._prefetch_pgs, self._prefetch_bw, sum(out), t0)
+            return out
+        except Exception as e:
+            self.store.errors("batch_get_v1", e)
+            return [False] * len(keys)
+
+    def batch_set_v1(self, keys: List[str], host_indices: torch.Tensor, extra_info: Optional[HiCacheStorageExtraInfo] = None) -> List[bool]:
+        """Store pages from host-pool slots ``host_indices``. Ranks that are not the storage
+        writer (MLA, ``tp_rank != 0``) write nothing and report success. Never raises."""
+        try:
+            if not self.is_writer:
+                return [True] * len(keys)
+            if not self._ready() or not keys:
+                return [False] * len(keys)
+            t0 = _now()
+            out = self.store.put(keys, self.layout, self._page_ids(host_indices, len(keys)), _prefix(extra_info))
+            self._note_metric(self._backup_pgs, self._backup_bw, sum(out), t0)
+            return out
+        except Exception as e:
+            self.store.errors("batch_set_v1", e)
+            return [False] * len(keys)
+
+    # ------------------------------------------------------------------ generic path (flat pages)
+    def batch_get(self, keys: List[str], target_locations: Optional[Any] = None, target_sizes: Optional[Any] = None) -> List[Optional[torch.Tensor]]:
+        """Generic read path: fills ``target_locations[i]`` (flat data pages, e.g.
+        ``get_dummy_flat_data_page()``) and returns it, or ``None`` from the first miss on."""
+        try:
+            if not self._ready() or not keys:
+                return [None] * len(keys)
+            n = len(keys)
+            if target_locations is None:
+                target_locations = [self.mem_pool_host.get_dummy_flat_data_page() for _ in range(n)]
+            flat = torch.empty((n, target_locations[0].numel()), dtype=target_locations[0].dtype)
+            lay = KvPageLayout.from_flat_pages(flat, self.mem_pool_host)
+            ok = self.store.get(keys, lay, list(range(n)))
+            out: List[Optional[torch.Tensor]] = []
+            for i, good in enumerate(ok):
+                if not good:
+                    out += [None] * (n - i)
+                    break
+                target_locations[i].copy_(flat[i])
+                out.append(target_locations[i])
+            return out
+        except Exception as e:
+            self.store.errors("batch_get", e)
+            return [None] * len(keys)
+
+    def batch_set(self, keys: List[str], values: Optional[Any] = None, target_locations: Optional[Any] = None, target_sizes: Optional[Any] = None) -> bool:
+        """Generic write path: ``values[i]`` are flat data pages (views into the host pool,
+        copied before returning). True only if every page is stored."""
+        try:
+            if not self.is_writer:
+                return True
+            if not self._ready() or not keys:
+                return False
+            flat = torch.stack([v.reshape(-1) for v in values])
+            lay = KvPageLayout.from_flat_pages(flat, self.mem_pool_host)
+            return all(self.store.put(keys, lay, list(range(len(keys))), None))
+        except Exception as e:
+            self.store.errors("batch_set", e)
+            return False
+
+    def get(self, key: str, target_location: Optional[Any] = None, target_sizes: Optional[Any] = None) -> Optional[torch.Tensor]:
+        """One page through the generic path; ``None`` on a miss."""
+        return self.batch_get([key], [target_location] if target_location is not None else None)[0]
+
+    def set(self, key: str, value: Optional[Any] = None, target_location: Optional[Any] = None, target_sizes: Optional[Any] = None) -> bool:
+        """Store one flat page through the generic path."""
+        return self.batch_set([key], [value])
+
+    # ------------------------------------------------------------------ admin
+    def clear(self) -> None:
+        """Drop every stored page not currently being read. Never raises."""
+        try:
+            if self.store is not None:
+                self.store.clear()
+        except Exception as e:
+            self.store.errors("clear", e)
+
+    def close(self) -> None:
+        """Release files, staging buffers and pinned memory."""
+        with self._lock:
+            if self.store is not None:
+                try:
+                    self.store.close()
+                except Exception as e:  # pragma: no cover - best effort at shutdown
+                    log.warning("flatcake close: %s", e)
+
+    def flatcake_stats(self) -> dict:
+        """FlatCake's cumulative counters (see :class:`flatcake.store.StoreStats`)."""
+        return self.store.snapshot_stats() if self.store is not None else {}
+
+    def _note_metric(self, pgs: list, bws: list, pages: int, t0: float) -> None:
+        if not (self.storage_config and self.storage_config.enable_storage_metrics) or not pages:
+            return
+        dt = max(_now() - t0, 1e-9)
+        with self._metrics_lock:
+            pgs.append(pages)
+            bws.append(pages * self.layout.geometry.page_bytes / dt / 1e9)
+
+    def get_stats(self):
+        """SGLang storage metrics (pages and GB/s per prefetch/backup call since the last
+        call), or ``None`` when ``--enable-metrics`` is off."""
+        if not (self.storage_config and self.storage_config.enable_storage_metrics):
+            return None
+        try:
+            from sglang.srt.observability.metrics_collector import StorageMetrics
+        except Exception:  # pragma: no cover - metrics module needs prometheus
+            return None
+        with self._metrics_lock:
+            m = StorageMetrics()
+            m.prefetch_pgs, self._prefetch_pgs = self._prefetch_pgs, []
+            m.backup_pgs, self._backup_pgs = self._backup_pgs, []
+            m.prefetch_bandwidth, self._prefetch_bw = self._prefetch_bw, []
+            m.backup_bandwidth, self._backup_bw = self._backup_bw, []
+        return m
+
+
+def _now() -> float:
+    import time
+
+    return time.perf_counter()

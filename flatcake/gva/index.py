@@ -1,0 +1,224 @@
+"""Key -> GVA index and session scopes (paper §3.1, FC-GVA).
+
+Lifecycle of a page write::
+
+    allocate GVA (writer lock)  ->  write bytes (no lock)  ->  publish key -> PageEntry (writer lock)
+
+Lifecycle of a session scope::
+
+    open (first round placed)  ->  append rounds (same medium)  ->  retire (no readers)  ->  unpublish + free
+
+Readers never lock the index: :meth:`GvaIndex.get` is one ``dict.get`` (atomic under the
+GIL). That is safe because
+
+* an entry is inserted only after its bytes are written (publish-after-write), so a reader
+  that sees a key finds its bytes;
+* a published :class:`PageEntry` is immutable and its GVA never changes;
+* before touching the bytes a reader pins the entry's scope (:meth:`SessionScope.try_acquire`,
+  a per-scope lock, not the index). Reclaim retires a scope only when its pin count is zero,
+  and a retired scope refuses new pins, so a reader holding a scope never sees it freed and a
+  reader that lost the race gets a miss, never another scope's bytes.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Iterable, Optional
+
+import numpy as np
+
+from flatcake.gva.placement import ReuseScope
+
+
+class SessionScope:
+    """A session's pages on one medium: the unit of placement and of reclaim.
+
+    Attributes:
+        scope_id: unique id (monotonic).
+        medium: 0 DRAM / 1 SSD; fixed for the scope's life.
+        reuse: the :class:`ReuseScope` it was opened as.
+        turn: the session's turn (1 for a new session; bumped by hit queries that reach the tail).
+        prev_turn_tokens / cur_turn_tokens: tokens appended in the previous / current turn.
+        keys: every published key, in write order.
+        extents: SSD extents owned (``flatcake.media.ssd.Extent``), or DRAM slot numbers.
+        nbytes: bytes of medium held.
+        last_used_s: ``time.monotonic()`` of the last read or write (reclaim picks the oldest).
+    """
+
+    __slots__ = (
+        "scope_id", "medium", "reuse", "turn", "prev_turn_tokens", "cur_turn_tokens", "keys",
+        "extents", "slots", "tail_key", "tail_offset", "round_seq", "nbytes", "created_s",
+        "last_used_s", "_refs", "_lock", "retired",
+    )
+
+    def __init__(self, scope_id: int, medium: int, reuse: ReuseScope, turn: int = 1, prev_turn_tokens: Optional[int] = None):
+        self.scope_id = scope_id
+        self.medium = medium
+        self.reuse = reuse
+        self.turn = turn
+        self.prev_turn_tokens = prev_turn_tokens
+        self.cur_turn_tokens = 0
+        self.keys: list[str] = []
+        self.extents: list = []
+        self.slots: list[int] = []
+        self.tail_key: Optional[str] = None
+        self.tail_offset = 0  # SSD: next free byte inside extents[-1]
+        self.round_seq = 0
+        self.nbytes = 0
+        self.created_s = self.last_used_s = time.monotonic()
+        self._refs = 0
+        self._lock = threading.Lock()
+        self.retired = False
+
+    def try_acquire(self) -> bool:
+        """Pin the scope for reading/writing. False if it was retired (treat as a miss)."""
+        with self._lock:
+            if self.retired:
+                return False
+            self._refs += 1
+            return True
+
+    def release(self) -> None:
+        """Drop one pin taken by :meth:`try_acquire`."""
+        with self._lock:
+            self._refs -= 1
+        self.last_used_s = time.monotonic()
+
+    @property
+    def refcount(self) -> int:
+        return self._refs
+
+    def try_retire(self) -> bool:
+        """Mark retired if nobody holds a pin; afterwards every :meth:`try_acquire` fails."""
+        with self._lock:
+            if self._refs or self.retired:
+                return False
+            self.retired = True
+            return True
+
+    def new_turn(self) -> None:
+        """A new request of this session reached its tail: turn + 1."""
+        self.turn += 1
+        self.prev_turn_tokens = self.cur_turn_tokens
+        self.cur_turn_tokens = 0
+
+
+@dataclass(frozen=True, slots=True)
+class PageEntry:
+    """Immutable index entry of one published page.
+
+    Attributes:
+        gva: 64-bit address of the page's layer-0 chunk.
+        scope: owning scope (pin it before touching the bytes).
+        layer_stride: bytes from layer ``l``'s chunk to layer ``l+1``'s (SSD: round pages ×
+            chunk bytes; DRAM: chunk bytes).
+        checksums: uint64 ``[layers]`` xxh3-64 of each chunk (SSD), or ``None`` (DRAM).
+    """
+
+    gva: int
+    scope: SessionScope
+    layer_stride: int
+    checksums: Optional[np.ndarray] = None
+
+
+class GvaIndex:
+    """The first-level key -> :class:`PageEntry` map plus the live scope table.
+
+    Writers (methods suffixed ``_locked``) must hold :attr:`lock`; :meth:`get` and
+    :meth:`contains` take no lock.
+    """
+
+    def __init__(self):
+        self.lock = threading.RLock()
+        self._map: dict[str, PageEntry] = {}
+        self.scopes: "OrderedDict[int, SessionScope]" = OrderedDict()
+        self.tails: dict[str, SessionScope] = {}
+        self._next_scope = 1
+
+    # readers --------------------------------------------------------------
+    def get(self, key: str) -> Optional[PageEntry]:
+        """Lock-free lookup."""
+        return self._map.get(key)
+
+    def contains(self, key: str) -> bool:
+        """Lock-free membership test."""
+        return key in self._map
+
+    def __len__(self) -> int:
+        return len(self._map)
+
+    # writers --------------------------------------------------------------
+    def open_scope_locked(self, medium: int, reuse: ReuseScope, turn: int = 1, prev_turn_tokens: Optional[int] = None) -> SessionScope:
+        s = SessionScope(self._next_scope, medium, reuse, turn, prev_turn_tokens)
+        self._next_scope += 1
+        self.scopes[s.scope_id] = s
+        return s
+
+    def publish_locked(self, keys: Iterable[str], entries: Iterable[PageEntry]) -> None:
+        """Make entries visible. Call only after their bytes are written."""
+        for k, e in zip(keys, entries):
+            self._map[k] = e
+            e.scope.keys.append(k)
+
+    def set_tail_locked(self, scope: SessionScope, key: str) -> None:
+        if scope.tail_key is not None and self.tails.get(scope.tail_key) is scope:
+            del self.tails[scope.tail_key]
+        scope.tail_key = key
+        self.tails[key] = scope
+
+    def unpublish_scope_locked(self, scope: SessionScope) -> int:
+        """Remove every key of a retired scope; returns how many were removed."""
+        n = 0
+        for k in scope.keys:
+            e = self._map.get(k)
+            if e is not None and e.scope is scope:
+                del self._map[k]
+                n += 1
+        if scope.tail_key is not None and self.tails.get(scope.tail_key) is scope:
+            del self.tails[scope.tail_key]
+        self.scopes.pop(scope.scope_id, None)
+        return n
+
+    def oldest_scopes_locked(self, medium: int) -> list[SessionScope]:
+        """Live scopes of ``medium``, least recently used first."""
+        return sorted((s for s in self.scopes.values() if s.medium == medium), key=lambda s: (s.last_used_s, s.scope_id))
+
+    def clear_locked(self) -> None:
+        self._map = {}
+        self.scopes.clear()
+        self.tails.clear()
+
+
+class InterestCounter:
+    """How many hit queries asked for a key that was not stored yet (bounded FIFO map).
+
+    A page that several requests wanted before it was written has prefix reference count > 1
+    (a shared prompt, Table 2). At most ``per_query`` keys are counted per query and at most
+    ``capacity`` keys are remembered.
+    """
+
+    def __init__(self, capacity: int = 1 << 20, per_query: int = 256):
+        self.capacity = capacity
+        self.per_query = per_query
+        self._m: "OrderedDict[str, int]" = OrderedDict()
+        self._lock = threading.Lock()
+
+    def note_missing(self, keys: list[str]) -> None:
+        with self._lock:
+            for k in keys[: self.per_query]:
+                self._m[k] = self._m.get(k, 0) + 1
+            while len(self._m) > self.capacity:
+                self._m.popitem(last=False)
+
+    def take(self, keys: list[str]) -> int:
+        """Largest count over ``keys`` (forgetting them); at least 1 (the writer)."""
+        best = 1
+        with self._lock:
+            for k in keys:
+                c = self._m.pop(k, 0)
+                if c > best:
+                    best = c
+        return best

@@ -1,0 +1,91 @@
+"""Write-time placement by reuse scope (paper §3.1, Table 2).
+
+Each new round of pages is placed once, when it is written, on DRAM or SSD, from signals
+visible at write time; pages never migrate afterwards.
+
+=========================== ============================================ ========
+reuse scope                 write-time signal                            medium
+=========================== ============================================ ========
+shared prompt               prefix reference count > 1                   DRAM
+short multi-turn chat       turn > 1 and the previous reply was short    DRAM
+agent session / long ctx    context >= ``L_agent`` or reply >= ``tau``   SSD
+one-shot / overflow         turn = 1, or DRAM full                       SSD
+=========================== ============================================ ========
+
+Rows are checked in the order *overflow, shared prompt, agent, short chat, one-shot*: DRAM
+that is full can place nothing; a shared prefix is the most valuable DRAM content; a long
+context is an agent session even in a later turn. How the store derives the signals from
+SGLang's page-key chain is in :mod:`flatcake.store`.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from flatcake.config import PlacementConfig
+from flatcake.gva.address import MEDIUM_DRAM, MEDIUM_SSD
+
+
+class ReuseScope(str, enum.Enum):
+    """The paper's reuse scopes (Table 2)."""
+
+    SHARED_PROMPT = "shared_prompt"
+    SHORT_CHAT = "short_chat"
+    AGENT_SESSION = "agent_session"
+    ONE_SHOT = "one_shot"
+    OVERFLOW = "overflow"
+
+
+@dataclass(frozen=True, slots=True)
+class PlacementSignals:
+    """Signals visible when a round of pages is written.
+
+    Attributes:
+        prefix_refcount: requests known to reference these pages (the writer counts 1).
+        turn: the session's turn, 1 for a new session.
+        prev_reply_tokens: tokens the session appended in its previous turn (None in turn 1).
+        context_tokens: tokens of context up to the end of this round.
+        reply_tokens: tokens the session appended so far in this turn, this round included.
+        dram_full: the DRAM region cannot take this round.
+    """
+
+    prefix_refcount: int
+    turn: int
+    prev_reply_tokens: int | None
+    context_tokens: int
+    reply_tokens: int
+    dram_full: bool
+
+
+@dataclass(frozen=True, slots=True)
+class PlacementDecision:
+    """Where a round goes: ``medium`` (0 DRAM / 1 SSD), its ``scope`` class and why."""
+
+    medium: int
+    scope: ReuseScope
+    reason: str
+
+
+class PlacementPolicy:
+    """Table 2 as a pure function of :class:`PlacementSignals` and the configured thresholds."""
+
+    def __init__(self, cfg: PlacementConfig):
+        self.cfg = cfg
+
+    def decide(self, s: PlacementSignals) -> PlacementDecision:
+        """Place one round. Never raises."""
+        c = self.cfg
+        if s.dram_full:
+            return PlacementDecision(MEDIUM_SSD, ReuseScope.OVERFLOW, "DRAM full")
+        if s.prefix_refcount >= c.shared_refcount:
+            return PlacementDecision(MEDIUM_DRAM, ReuseScope.SHARED_PROMPT, f"prefix refcount {s.prefix_refcount} > 1")
+        if s.context_tokens >= c.l_agent_tokens:
+            return PlacementDecision(MEDIUM_SSD, ReuseScope.AGENT_SESSION, f"context {s.context_tokens} >= L_agent {c.l_agent_tokens}")
+        if s.reply_tokens >= c.tau_tokens:
+            return PlacementDecision(MEDIUM_SSD, ReuseScope.AGENT_SESSION, f"reply {s.reply_tokens} >= tau {c.tau_tokens}")
+        if s.turn > 1 and s.prev_reply_tokens is not None and s.prev_reply_tokens < c.short_reply_tokens:
+            return PlacementDecision(MEDIUM_DRAM, ReuseScope.SHORT_CHAT, f"turn {s.turn}, previous reply {s.prev_reply_tokens} short")
+        if s.turn <= 1:
+            return PlacementDecision(MEDIUM_SSD, ReuseScope.ONE_SHOT, "turn 1")
+        return PlacementDecision(MEDIUM_SSD, ReuseScope.ONE_SHOT, f"turn {s.turn}, previous reply {s.prev_reply_tokens} long")

@@ -1,0 +1,75 @@
+"""DRAM medium (GVA medium 0): one region allocated at start-up, cut into page slots.
+
+The region is ``dram.capacity_bytes // page_bytes`` slots of one page each (a backend serves
+one namespace, so every page has the same size). A page is stored page-major in its slot:
+``[layers, chunk_bytes]`` (see :mod:`flatcake.layout`). DRAM GVA offset = ``slot * page_bytes``.
+
+The region is pinned with ``cudaHostRegister`` when CUDA is available (so H2D copies are DMA),
+and is plain memory otherwise (``dram.pin``: auto/on/off). Slots are handed out and returned
+under the store's writer lock (methods suffixed ``_locked``); reads need no lock because a slot
+is never reused while a reader holds its scope (see :mod:`flatcake.gva.index`).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from flatcake.config import DramConfig
+
+log = logging.getLogger("flatcake.dram")
+
+
+class DramRegion:
+    """Fixed DRAM region of page slots.
+
+    Args:
+        cfg: the ``dram`` config section.
+        page_bytes: bytes of one page (all layers).
+
+    Attributes:
+        slots: uint8 tensor ``[n_slots, page_bytes]`` (``n_slots`` may be 0: DRAM disabled).
+
+    Raises:
+        RuntimeError: ``dram.pin: on`` without CUDA.
+    """
+
+    def __init__(self, cfg: DramConfig, page_bytes: int):
+        self.cfg = cfg
+        self.page_bytes = page_bytes
+        self.n_slots = cfg.capacity_bytes // page_bytes if page_bytes else 0
+        self.slots = torch.empty((self.n_slots, page_bytes), dtype=torch.uint8)
+        self.pinned = False
+        want_pin = cfg.pin == "on" or (cfg.pin == "auto" and torch.cuda.is_available())
+        if want_pin and self.n_slots:
+            if not torch.cuda.is_available():
+                raise RuntimeError("dram.pin: on needs CUDA (no CUDA device is available)")
+            rc = torch.cuda.cudart().cudaHostRegister(self.slots.data_ptr(), self.slots.numel(), 0)
+            self.pinned = int(rc) == 0
+            if not self.pinned:
+                log.warning("cudaHostRegister of the DRAM region failed (rc=%s); using pageable memory", rc)
+        self._free = list(range(self.n_slots - 1, -1, -1))  # pop() hands out low slots first
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free)
+
+    def used_fraction(self) -> float:
+        """Slots in use over slots (1.0 when the region is empty by configuration)."""
+        return 1.0 if not self.n_slots else 1 - len(self._free) / self.n_slots
+
+    def allocate_locked(self, n: int) -> list[int] | None:
+        """``n`` free slot numbers, or ``None`` if fewer are free."""
+        if n > len(self._free):
+            return None
+        return [self._free.pop() for _ in range(n)]
+
+    def free_locked(self, slots: list[int]) -> None:
+        """Return slots (whole-scope reclaim)."""
+        self._free.extend(slots)
+
+    def close(self) -> None:
+        if self.pinned:
+            torch.cuda.cudart().cudaHostUnregister(self.slots.data_ptr())
+            self.pinned = False
