@@ -418,11 +418,10 @@ class PageStore:
                 return ext.file_index, off
         need = nbytes + fmt.BLOCK
         ext = self.ssd.allocate_locked(need)
-        if ext is None:
-            self._reclaim_locked(MEDIUM_SSD, need_bytes=need)
-            ext = self.ssd.allocate_locked(need)
-            if ext is None:
+        while ext is None:  # no free range fits (full or fragmented): free oldest scopes one by one
+            if not self._reclaim_one_locked(MEDIUM_SSD, exclude=scope):
                 return None
+            ext = self.ssd.allocate_locked(need)
         try:
             hdr = AlignedBuffer(fmt.BLOCK)
             view = hdr.reserve(fmt.BLOCK)
@@ -514,22 +513,23 @@ class PageStore:
                 if self.dram.n_slots and self.dram.used_fraction() > self.cfg.dram.high_watermark:
                     self._reclaim_locked(MEDIUM_DRAM)
 
-    def _reclaim_locked(self, medium: int, need_bytes: int = 0, need_slots: int = 0) -> bool:
-        """Free the oldest unpinned scopes of ``medium`` whole, until usage is below the low
-        watermark and ``need_*`` more fits. A pinned scope (a reader or writer holds it) is
-        skipped. Returns True if the need is met. Writer lock held."""
+    def _reclaim_locked(self, medium: int) -> None:
+        """Free the oldest unpinned scopes of ``medium`` whole until usage is at or below the
+        low watermark. Writer lock held."""
         if medium == MEDIUM_SSD:
             target = self.cfg.ssd.low_watermark * self.ssd.capacity_bytes
-            done = lambda: self.ssd.used_bytes <= target and self.ssd.capacity_bytes - self.ssd.used_bytes >= need_bytes  # noqa: E731
+            above = lambda: self.ssd.used_bytes > target  # noqa: E731
         else:
-            if not self.dram.n_slots:
-                return False
             target = self.cfg.dram.low_watermark * self.dram.n_slots
-            done = lambda: (self.dram.n_slots - self.dram.free_slots) <= target and self.dram.free_slots >= need_slots  # noqa: E731
-        if done():
-            return True
+            above = lambda: self.dram.n_slots - self.dram.free_slots > target  # noqa: E731
+        while above() and self._reclaim_one_locked(medium):
+            pass
+
+    def _reclaim_one_locked(self, medium: int, exclude: Optional[SessionScope] = None) -> bool:
+        """Retire, unpublish and free the least recently used scope of ``medium`` that nobody
+        pins (a reader or writer inside it is never freed under it). False if none can go."""
         for scope in self.index.oldest_scopes_locked(medium):
-            if not scope.try_retire():
+            if scope is exclude or not scope.try_retire():
                 continue
             self.index.unpublish_scope_locked(scope)
             if medium == MEDIUM_SSD:
@@ -543,9 +543,8 @@ class PageStore:
                 else:
                     self.stats.reclaimed_scopes_dram += 1
                 self.stats.reclaimed_bytes += scope.nbytes
-            if done():
-                return True
-        return done()
+            return True
+        return False
 
     # ================================================================ admin
     def clear(self) -> None:

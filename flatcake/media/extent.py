@@ -1,8 +1,8 @@
 """On-SSD format: self-describing extents of layer-major rounds (paper §3.3, FC-CIO write side).
 
 A session scope owns one or more *extents*: contiguous byte ranges inside a preallocated pool
-file, each starting on an ``EXTENT_GRID`` boundary (so a restarted process can find every
-extent by probing grid points, one 4 KiB read each). Inside an extent::
+file, each starting on an ``EXTENT_GRID`` (256 KiB) boundary (so a restarted process can find
+every extent by probing grid points, one 4 KiB read each). Inside an extent::
 
     [extent header 4 KiB] [round 0] [round 1] ...
     round = [round header 4 KiB] [data: chunks layer-major, padded to 4 KiB] [record, padded to 4 KiB]
@@ -27,7 +27,7 @@ import numpy as np
 import xxhash
 
 BLOCK = 4096
-EXTENT_GRID = 1 << 20  # bytes: extents start on 1 MiB boundaries
+EXTENT_GRID = 256 << 10  # bytes: extents start on 256 KiB boundaries
 EXTENT_MAGIC = b"FCEXTNT1"
 ROUND_MAGIC = b"FCROUND1"
 RECORD_MAGIC = b"FCRECRD1"

@@ -1,0 +1,271 @@
+"""``flatcake-sglang``: launch an SGLang server with ``--hicache-storage-backend flatcake``.
+
+SGLang 0.5.23 accepts only a fixed list of ``--hicache-storage-backend`` names; third-party
+backends are selected with ``dynamic`` plus an extra-config JSON naming module and class
+(``../shared/design/sglang-hicache-contract.md`` §2, option 1). This launcher accepts the
+literal name and rewrites the command line before SGLang parses it.
+
+Lifecycle::
+
+    argv ──rewrite_argv──▶ merged extra config ──config_from_extra (validate)──▶ argv' (``dynamic``)
+         ──▶ runpy.run_module("sglang.launch_server", run_name="__main__") with sys.argv = argv'
+
+Accepted (in any position, each as ``--flag value`` or ``--flag=value``)::
+
+    --hicache-storage-backend flatcake
+    --flatcake-config FILE.yaml                  # launcher-only; becomes "flatcake_config": /abs/path
+    --hicache-storage-backend-extra-config JSON  # inline JSON, or @file (.json, .yaml/.yml, .toml)
+    --dry-run                                    # launcher-only; print argv' as a JSON array, exit 0
+
+The rewritten extra config is the user's mapping plus the keys in :data:`FLATCAKE_EXTRA`
+(``backend_name``, ``module_path``, ``class_name``, ``interface_v1`` and
+``hicache_storage_pass_prefix_keys``); a user value that contradicts one of them is an error.
+The FlatCake part is validated with :func:`flatcake.config.config_from_extra` so that a bad
+key fails here, naming the field, before SGLang starts any process.
+
+Any other backend (``file``, ``dynamic``, ...) passes through byte for byte (``--flatcake-config``
+with another backend is an error).
+
+Exit codes: 0 (dry run, or SGLang's own status), 2 (bad FlatCake arguments or configuration;
+message on stderr).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import runpy
+import sys
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+BACKEND_FLAG = "--hicache-storage-backend"
+EXTRA_FLAG = "--hicache-storage-backend-extra-config"
+CONFIG_FLAG = "--flatcake-config"
+DRY_RUN_FLAG = "--dry-run"
+FLATCAKE_BACKEND = "flatcake"
+
+#: Keys the launcher puts into the extra config; SGLang's dynamic factory reads the first
+#: three, ``interface_v1`` selects the zero-copy ``batch_get_v1``/``batch_set_v1`` path and
+#: ``hicache_storage_pass_prefix_keys`` gives the backend the key chain it derives a session
+#: scope from (design README §2, FC-GVA).
+FLATCAKE_EXTRA: dict[str, Any] = {
+    "backend_name": "flatcake",
+    "module_path": "flatcake",
+    "class_name": "FlatCakeStorage",
+    "interface_v1": 1,
+    "hicache_storage_pass_prefix_keys": True,
+}
+
+_PROG = "flatcake-sglang"
+
+
+class LaunchError(ValueError):
+    """Bad launcher arguments or FlatCake configuration; the message names the flag or field."""
+
+
+def _take_flag(argv: list[str], i: int, flag: str) -> Optional[tuple[str, int]]:
+    """If ``argv[i]`` is ``flag`` (``--flag value`` or ``--flag=value``), return (value, next index).
+
+    Returns ``None`` when ``argv[i]`` is a different option. Raises :class:`LaunchError` when the
+    flag is present but its value is missing.
+    """
+    arg = argv[i]
+    if arg == flag:
+        if i + 1 >= len(argv):
+            raise LaunchError(f"{flag}: expected a value")
+        return argv[i + 1], i + 2
+    if arg.startswith(flag + "="):
+        return arg[len(flag) + 1 :], i + 1
+    return None
+
+
+def load_extra_config(value: str) -> dict[str, Any]:
+    """Parse an extra-config value as SGLang does: inline JSON, or ``@path`` to a JSON/YAML/TOML file.
+
+    Args:
+        value: the flag's value.
+
+    Returns:
+        The mapping (a fresh dict).
+
+    Raises:
+        LaunchError: unreadable file, unsupported extension, invalid syntax, or not a mapping.
+    """
+    source = "inline JSON"
+    try:
+        if value.startswith("@"):
+            path = Path(value[1:])
+            source = str(path)
+            ext = path.suffix.lower()
+            if ext == ".json":
+                data = json.loads(path.read_text())
+            elif ext in (".yaml", ".yml"):
+                import yaml
+
+                data = yaml.safe_load(path.read_text())
+            elif ext == ".toml":
+                import tomllib  # Python >= 3.11, as SGLang itself requires for .toml
+
+                data = tomllib.loads(path.read_text())
+            else:
+                raise LaunchError(
+                    f"{EXTRA_FLAG}: unsupported config file {path} (use .json, .yaml, .yml or .toml)"
+                )
+        else:
+            data = json.loads(value)
+    except LaunchError:
+        raise
+    except OSError as e:
+        raise LaunchError(f"{EXTRA_FLAG}: cannot read {source}: {e}") from None
+    except Exception as e:  # json/yaml/toml syntax errors have no common base class
+        raise LaunchError(f"{EXTRA_FLAG}: {source} is not valid: {e}") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise LaunchError(f"{EXTRA_FLAG}: {source} must hold a mapping, got {type(data).__name__}")
+    return dict(data)
+
+
+def merge_extra_config(user: dict[str, Any], flatcake_config: Optional[str]) -> dict[str, Any]:
+    """User extra config + :data:`FLATCAKE_EXTRA` (+ ``flatcake_config`` as an absolute path).
+
+    Raises:
+        LaunchError: the user set one of the launcher's keys to a different value, or gave a
+            ``flatcake_config`` in the JSON that differs from ``--flatcake-config``.
+    """
+    merged = dict(user)
+    for key, val in FLATCAKE_EXTRA.items():
+        if key in merged and merged[key] != val:
+            raise LaunchError(
+                f"{EXTRA_FLAG}: {key}={merged[key]!r} conflicts with --hicache-storage-backend flatcake "
+                f"(which sets {key}={val!r}); remove it"
+            )
+        merged[key] = val
+    if "flatcake_config" in merged and merged["flatcake_config"] is not None:
+        merged["flatcake_config"] = os.path.abspath(str(merged["flatcake_config"]))
+    if flatcake_config is not None:
+        path = os.path.abspath(flatcake_config)
+        if merged.get("flatcake_config") not in (None, path):
+            raise LaunchError(
+                f"{CONFIG_FLAG}: {path} conflicts with flatcake_config={merged['flatcake_config']!r} "
+                f"in {EXTRA_FLAG}; give one of them"
+            )
+        merged["flatcake_config"] = path
+    return merged
+
+
+def rewrite_argv(argv: Sequence[str]) -> list[str]:
+    """Rewrite an SGLang command line that selects ``flatcake`` into one SGLang accepts.
+
+    Args:
+        argv: arguments after the program name (launcher-only ``--dry-run`` already removed).
+
+    Returns:
+        The new argument list. If the (last, as argparse takes it) ``--hicache-storage-backend``
+        is not ``flatcake``, ``argv`` is returned unchanged. Otherwise the backend becomes
+        ``dynamic`` at the position of its first occurrence, immediately followed by
+        ``--hicache-storage-backend-extra-config <merged JSON>``; other arguments keep their order.
+
+    Raises:
+        LaunchError: ``--flatcake-config`` without the flatcake backend, a flag without value,
+            an unreadable or invalid extra config, a conflicting key, or a FlatCake setting that
+            :func:`flatcake.config.config_from_extra` rejects (message names the field).
+    """
+    argv = list(argv)
+    rest: list[str] = []
+    backend: Optional[str] = None
+    extra_value: Optional[str] = None
+    flatcake_config: Optional[str] = None
+    insert_at: Optional[int] = None
+    i = 0
+    while i < len(argv):
+        if argv[i] == "--":  # everything after a bare "--" is positional; leave it alone
+            rest.extend(argv[i:])
+            break
+        if argv[i] in (BACKEND_FLAG, EXTRA_FLAG) and i + 1 >= len(argv):
+            dangling = argv[i]  # a SGLang flag without value: SGLang reports it, unless ours
+            if backend == FLATCAKE_BACKEND:
+                raise LaunchError(f"{dangling}: expected a value")
+            return argv
+        # EXTRA_FLAG starts with BACKEND_FLAG, so test it first; "=" separates exact matches.
+        got = _take_flag(argv, i, EXTRA_FLAG)
+        if got is not None:
+            extra_value, i = got
+            continue
+        got = _take_flag(argv, i, CONFIG_FLAG)
+        if got is not None:
+            flatcake_config, i = got
+            continue
+        got = _take_flag(argv, i, BACKEND_FLAG)
+        if got is not None:
+            backend, i = got
+            if insert_at is None:
+                insert_at = len(rest)
+            continue
+        rest.append(argv[i])
+        i += 1
+
+    if backend != FLATCAKE_BACKEND:
+        if flatcake_config is not None:
+            raise LaunchError(f"{CONFIG_FLAG} needs {BACKEND_FLAG} {FLATCAKE_BACKEND} (got {backend!r})")
+        return argv
+
+    user = load_extra_config(extra_value) if extra_value is not None else {}
+    merged = merge_extra_config(user, flatcake_config)
+    validate_flatcake_extra(merged)
+    assert insert_at is not None
+    new = [BACKEND_FLAG, "dynamic", EXTRA_FLAG, json.dumps(merged, sort_keys=True)]
+    return rest[:insert_at] + new + rest[insert_at:]
+
+
+def validate_flatcake_extra(extra: dict[str, Any]) -> None:
+    """Validate the FlatCake part of a merged extra config (SGLang's own keys are skipped).
+
+    Raises:
+        LaunchError: wrapping :class:`flatcake.config.ConfigError`, whose message names the
+            field (``ssd.bogus: unknown key``); also raised for a missing ``flatcake_config`` file.
+    """
+    from flatcake.config import ConfigError, config_from_extra
+
+    try:
+        config_from_extra(extra)
+    except ConfigError as e:
+        raise LaunchError(str(e)) from None
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Console-script entry point (``flatcake-sglang``).
+
+    Args:
+        argv: arguments after the program name; ``None`` reads ``sys.argv[1:]``.
+
+    Returns:
+        0 after ``--dry-run`` or when SGLang returns normally; 2 on a launcher error. SGLang's
+        own ``SystemExit`` propagates unchanged.
+    """
+    args = list(sys.argv[1:] if argv is None else argv)
+    dry_run = False
+    if "--" in args:
+        cut = args.index("--")
+        head, tail = args[:cut], args[cut:]
+    else:
+        head, tail = args, []
+    if DRY_RUN_FLAG in head:
+        dry_run = True
+        head = [a for a in head if a != DRY_RUN_FLAG]
+    try:
+        new_argv = rewrite_argv(head + tail)
+    except LaunchError as e:
+        print(f"{_PROG}: error: {e}", file=sys.stderr)
+        return 2
+    if dry_run:
+        print(json.dumps(new_argv))
+        return 0
+    sys.argv = ["sglang.launch_server", *new_argv]
+    runpy.run_module("sglang.launch_server", run_name="__main__", alter_sys=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

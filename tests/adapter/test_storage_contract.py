@@ -1,0 +1,270 @@
+"""FlatCakeStorage against SGLang 0.5.23's real HiCacheStorage contract, on host-pool doubles."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+import torch
+from conftest import fill_page, page_matches, slots_of, storage_config
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageExtraInfo
+
+from flatcake.adapter.storage import FlatCakeStorage
+from flatcake.config import ConfigError
+from flatcake.gva.address import MEDIUM_DRAM, MEDIUM_SSD, medium_of
+from flatcake.layout import UnsupportedLayoutError
+from flatcake.media.ssd import SsdStartupError
+
+LAYOUTS = ["layer_first", "page_first", "page_first_direct"]
+
+
+def _write(be, pool, keys, pages, prefix=None):
+    for k, p in zip(keys, pages):
+        fill_page(pool, p * pool.page_size, k)
+    return be.batch_set_v1(keys, slots_of(pool, pages), HiCacheStorageExtraInfo(prefix_keys=list(prefix or [])))
+
+
+def test_factory_builds_flatcake_subclass(make_backend):
+    be, _ = make_backend()
+    assert isinstance(be, FlatCakeStorage) and isinstance(be, HiCacheStorage)
+    import flatcake
+
+    assert flatcake.FlatCakeStorage is FlatCakeStorage
+
+
+@pytest.mark.parametrize("mla", [False, True], ids=["mha", "mla"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dram", [0, 1 << 20], ids=["ssd", "dram"])
+def test_zero_copy_round_trip_is_bit_exact(make_backend, mla, layout, dram):
+    be, pool = make_backend(mla=mla, layout=layout, extra={"dram.capacity_bytes": dram, "placement.shared_refcount": 2})
+    keys = [f"{layout}-{mla}-{i}" for i in range(10)]
+    if dram:  # two hit queries before the write make it a shared prompt -> DRAM
+        be.batch_exists(keys)
+        be.batch_exists(keys)
+    assert _write(be, pool, keys, range(10)) == [True] * 10
+    assert be.batch_exists(keys) == 10
+    media = {medium_of(be.store.index.get(k).gva) for k in keys}
+    assert media == ({MEDIUM_DRAM} if dram else {MEDIUM_SSD})
+    pool.kv_buffer.zero_()
+    dst = list(range(20, 30))
+    assert be.batch_get_v1(keys, slots_of(pool, dst)) == [True] * 10
+    assert all(page_matches(pool, p * pool.page_size, k) for p, k in zip(dst, keys))
+    st = be.flatcake_stats()
+    assert st["hit_pages_dram" if dram else "hit_pages_ssd"] == 10
+
+
+@pytest.mark.parametrize("mla", [False, True], ids=["mha", "mla"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_generic_path_round_trip_is_bit_exact(make_backend, mla, layout):
+    """batch_set(keys, [get_data_page]) then batch_get into dummy flat pages, as _generic_page_get does."""
+    be, pool = make_backend(mla=mla, layout=layout)
+    keys = [f"g{i}" for i in range(5)]
+    for i, k in enumerate(keys):
+        fill_page(pool, i * pool.page_size, k)
+    assert be.batch_set(keys, [pool.get_data_page(i * pool.page_size) for i in range(5)]) is True
+    got = be.batch_get(keys, [pool.get_dummy_flat_data_page() for _ in keys])
+    for i, (k, t) in enumerate(zip(keys, got)):
+        pool.set_from_flat_data_page((10 + i) * pool.page_size, t)
+        assert page_matches(pool, (10 + i) * pool.page_size, k)
+    # zero-copy read of pages written through the generic path gives the same bytes
+    pool.kv_buffer.zero_()
+    assert be.batch_get_v1(keys, slots_of(pool, range(30, 35))) == [True] * 5
+    assert all(page_matches(pool, (30 + i) * pool.page_size, k) for i, k in enumerate(keys))
+    assert be.get("missing", pool.get_dummy_flat_data_page()) is None
+    assert be.exists("g0") and not be.exists("missing")
+
+
+def test_leading_run_with_holes(make_backend):
+    be, pool = make_backend()
+    keys = [f"h{i}" for i in range(8)]
+    assert _write(be, pool, keys[2:], range(2, 8)) == [True] * 6
+    assert be.batch_exists(keys) == 0  # pages 0..1 absent
+    assert be.batch_get_v1(keys, slots_of(pool, range(8))) == [False] * 8
+    # out of order: 0, then 3 (hole at 1..2 filled later)
+    be2, pool2 = make_backend(model="other")
+    _write(be2, pool2, [keys[0]], [0])
+    _write(be2, pool2, [keys[3]], [3])
+    assert be2.batch_exists(keys) == 1
+    _write(be2, pool2, [keys[1]], [1])
+    assert be2.batch_exists(keys) == 2
+    _write(be2, pool2, [keys[2]], [2])
+    assert be2.batch_exists(keys) == 4
+    assert be2.batch_get_v1(keys[:6], slots_of(pool2, range(10, 16))) == [True] * 4 + [False] * 2
+
+
+def test_rewrite_is_idempotent(make_backend):
+    be, pool = make_backend()
+    keys = ["r0", "r1"]
+    _write(be, pool, keys, [0, 1])
+    written = be.flatcake_stats()["pages_written_ssd"]
+    assert _write(be, pool, keys, [0, 1]) == [True, True]
+    assert be.flatcake_stats()["pages_written_ssd"] == written
+
+
+@pytest.mark.parametrize("other", [{"dtype": torch.float8_e4m3fn}, {"layout": "layer_first"}, {"model": "other-model"}, {"tp_rank": 1, "tp_size": 2}])
+def test_namespace_separation_is_a_miss_never_bytes(make_backend, other):
+    be, pool = make_backend()
+    keys = [f"n{i}" for i in range(4)]
+    _write(be, pool, keys, range(4))
+    kw = dict(other)
+    be2, pool2 = make_backend(**kw)
+    assert be2.namespace != be.namespace
+    assert be2.batch_exists(keys) == 0
+    assert be2.batch_get_v1(keys, slots_of(pool2, range(4))) == [False] * 4
+    assert int(pool2.kv_buffer.view(torch.uint8).count_nonzero()) == 0
+
+
+def test_mla_non_writer_rank_writes_nothing(make_backend):
+    be, pool = make_backend(mla=True, tp_rank=1, tp_size=2)
+    assert be.storage_config.is_storage_writer is False
+    assert _write(be, pool, ["m0", "m1"], [0, 1]) == [True, True]
+    assert be.batch_exists(["m0", "m1"]) == 0
+    assert be.flatcake_stats()["pages_written_ssd"] == 0
+
+
+def test_truncated_file_is_a_miss_for_that_page_and_later(make_backend):
+    be, pool = make_backend(extra={"cio.verify_checksums": True})
+    keys = [f"t{i}" for i in range(6)]
+    _write(be, pool, keys[:3], range(3))
+    _write(be, pool, keys[3:], range(3, 6), prefix=keys[:3])
+    # the file loses everything from page 4's last-layer chunk on (layer-major: pages 4 and 5
+    # of the second round lose their last layer; page 3's chunks all lie before that offset)
+    e = be.store.index.get(keys[4])
+    off = (e.gva & ((1 << 48) - 1)) + (be.store.geometry.layers - 1) * e.layer_stride
+    f, o = divmod(off, be.cfg.ssd.file_bytes)
+    with open(be.store.ssd.path_of(f), "r+b") as fh:
+        fh.truncate(o)
+    assert be.batch_exists(keys) == 6  # the index still says so
+    pool.kv_buffer.zero_()
+    got = be.batch_get_v1(keys, slots_of(pool, range(10, 16)))
+    assert got == [True] * 4 + [False] * 2
+    assert all(page_matches(pool, (10 + i) * pool.page_size, keys[i]) for i in range(4))
+    assert be.flatcake_stats()["get_failures"] == 1
+
+
+def test_corrupted_bytes_are_a_miss_not_other_bytes(make_backend):
+    be, pool = make_backend()
+    keys = ["c0", "c1"]
+    _write(be, pool, keys, [0, 1])
+    e = be.store.index.get("c1")
+    f, o = divmod(e.gva & ((1 << 48) - 1), be.cfg.ssd.file_bytes)
+    with open(be.store.ssd.path_of(f), "r+b") as fh:
+        fh.seek(o + 5)
+        fh.write(b"\xff\x00\xff")
+    pool.kv_buffer.zero_()
+    assert be.batch_get_v1(keys, slots_of(pool, [5, 6])) == [True, False]
+    assert page_matches(pool, 5 * pool.page_size, "c0")
+
+
+def test_unusable_ssd_path_fails_at_startup(tmp_path):
+    from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    cfg = storage_config({"ssd.path": str(blocker / "sub")})
+    with pytest.raises(SsdStartupError, match="ssd.path"):
+        StorageBackendFactory.create_backend("dynamic", cfg, None)
+
+
+def test_bad_config_fails_at_startup_naming_the_field(tmp_path):
+    with pytest.raises(ConfigError, match="cio.gap_bytes"):
+        FlatCakeStorage(storage_config({"ssd.path": str(tmp_path), "cio.gap_bytes": -1}))
+    with pytest.raises(ConfigError, match="ssd.bogus"):
+        FlatCakeStorage(storage_config({"ssd.path": str(tmp_path), "ssd.bogus": 1}))
+
+
+def test_unsupported_layout_refused_at_registration(tmp_path):
+    be = FlatCakeStorage(storage_config({"ssd.path": str(tmp_path)}))
+
+    class PageHeadPool:
+        layout = "page_head"
+        page_size = 4
+        layer_num = 2
+        kv_buffer = torch.zeros(2, 1, 2, 4, 2, 8)
+
+    with pytest.raises(UnsupportedLayoutError, match="page_head"):
+        be.register_mem_pool_host(PageHeadPool())
+
+
+def test_calls_before_registration_are_misses(tmp_path):
+    be = FlatCakeStorage(storage_config({"ssd.path": str(tmp_path)}))
+    assert be.batch_exists(["a"]) == 0
+    assert be.batch_get_v1(["a"], torch.arange(4)) == [False]
+    assert be.batch_set_v1(["a"], torch.arange(4)) == [False]
+
+
+def test_exists_turns_true_no_later_than_the_write_returns(make_backend):
+    be, pool = make_backend()
+    key = "race"
+    fill_page(pool, 0, key)
+    seen_before_return = []
+    done = threading.Event()
+    real_write = be.store.ssd.write
+
+    def slow_write(*a, **kw):
+        # while the bytes are being written the key must not be visible yet
+        seen_before_return.append(be.exists(key))
+        real_write(*a, **kw)
+        seen_before_return.append(be.exists(key))
+
+    be.store.ssd.write = slow_write
+    polls = []
+
+    def poll():
+        while not done.is_set():
+            polls.append(be.exists(key))
+
+    t = threading.Thread(target=poll)
+    t.start()
+    assert be.batch_set_v1([key], slots_of(pool, [0])) == [True]
+    after = be.exists(key)
+    done.set()
+    t.join()
+    assert seen_before_return and not any(seen_before_return)  # published only after the write
+    assert after is True
+    pool.kv_buffer.zero_()
+    assert be.batch_get_v1([key], slots_of(pool, [3])) == [True]
+    assert page_matches(pool, 3 * pool.page_size, key)
+
+
+def test_three_sglang_threads_concurrently(make_backend):
+    """Backup writes, prefetch reads and hit queries at once: every page read equals what was written."""
+    be, pool = make_backend(pages=256, extra={"dram.capacity_bytes": 1 << 20})
+    sessions = [[f"s{s}-p{i}" for i in range(12)] for s in range(8)]
+    errors = []
+    write_done = threading.Event()
+
+    def backup():
+        for s, keys in enumerate(sessions):
+            pages = range(s * 12, s * 12 + 12)
+            if _write(be, pool, keys[:6], pages[:6]) != [True] * 6:
+                errors.append("put")
+            if _write(be, pool, keys[6:], pages[6:], prefix=keys[:6]) != [True] * 6:
+                errors.append("put")
+        write_done.set()
+
+    def prefetch():
+        reads = 0
+        while not write_done.is_set() or reads < 8:
+            for s, keys in enumerate(sessions):
+                dst = list(range(128 + (s % 8) * 12, 128 + (s % 8) * 12 + 12))
+                got = be.batch_get_v1(keys, slots_of(pool, dst))
+                n = got.index(False) if False in got else 12
+                for i in range(n):
+                    if not page_matches(pool, dst[i] * pool.page_size, keys[i]):
+                        errors.append(("bytes", keys[i]))
+                reads += 1
+
+    def query():
+        while not write_done.is_set():
+            for keys in sessions:
+                be.batch_exists(keys, HiCacheStorageExtraInfo(prefix_keys=[]))
+
+    ts = [threading.Thread(target=f) for f in (backup, prefetch, query)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(timeout=120)
+    assert errors == []
+    assert all(be.batch_exists(k) == 12 for k in sessions)

@@ -1,0 +1,108 @@
+"""SSD medium: extent allocator, O_DIRECT probe, and the self-describing on-disk format."""
+
+import os
+
+import numpy as np
+import pytest
+import xxhash
+from conftest import fill_page, slots_of
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo
+
+from flatcake.config import SsdConfig
+from flatcake.media import extent as fmt
+from flatcake.media.ssd import Extent, SsdFilePool, SsdStartupError, probe_direct_io
+
+
+def test_allocator_places_at_midpoint_grows_in_place_and_coalesces(tmp_path):
+    pool = SsdFilePool(SsdConfig(path=str(tmp_path), file_bytes=4 << 20, max_files=1), "ns")
+    a = pool.allocate_locked(100_000)
+    assert a.nbytes == fmt.align_up(100_000) and a.offset % fmt.EXTENT_GRID == 0
+    assert a.offset == fmt.align_up((4 << 20) // 2 - a.nbytes // 2, fmt.EXTENT_GRID)  # middle of the file
+    b = pool.try_extend_locked(a, 8192)
+    assert b == Extent(0, a.offset, a.nbytes + 8192)
+    c = pool.allocate_locked(4096)
+    assert c.offset % fmt.EXTENT_GRID == 0 and not (c.offset < b.end and b.offset < c.end)
+    assert pool.used_bytes == b.nbytes + c.nbytes
+    pool.free_locked(b)
+    pool.free_locked(c)
+    assert pool.used_bytes == 0
+    fr = pool._free[0]
+    assert (fr.starts, fr.lens) == ([0], [4 << 20])  # fully coalesced
+    assert pool.allocate_locked(8 << 20) is None  # larger than a file
+    pool.close()
+
+
+def test_direct_io_probe_on_ext4_and_tmpfs(tmp_path):
+    assert probe_direct_io(str(tmp_path)) is True  # the work filesystem (ext4) accepts O_DIRECT
+    assert probe_direct_io(str(tmp_path / "missing")) is False
+
+
+def test_refused_o_direct_falls_back_to_buffered_with_one_log_line(tmp_path, monkeypatch, caplog):
+    import flatcake.media.ssd as ssd
+
+    monkeypatch.setattr(ssd, "probe_direct_io", lambda d: False)
+    pool = SsdFilePool(SsdConfig(path=str(tmp_path)), "ns")
+    assert pool.direct_io is False
+    assert sum("refuses O_DIRECT" in r.message for r in caplog.records) == 1
+    with pytest.raises(SsdStartupError, match="ssd.direct_io"):
+        SsdFilePool(SsdConfig(path=str(tmp_path), direct_io="on"), "ns")
+
+
+def test_files_are_preallocated_single_extents(tmp_path):
+    pool = SsdFilePool(SsdConfig(path=str(tmp_path), file_bytes=2 << 20, max_files=2), "ns")
+    st = os.stat(pool.path_of(0))
+    assert st.st_size == 2 << 20 and st.st_blocks * 512 >= 2 << 20  # fallocated, not sparse
+
+
+def test_header_and_record_round_trip():
+    h = fmt.pack_extent_header("ns|x", 3, 42, 1, 1 << 20)
+    assert len(h) == fmt.BLOCK
+    eh = fmt.unpack_extent_header(h)
+    assert (eh.node, eh.scope_id, eh.extent_seq, eh.reserved_bytes, eh.namespace) == (3, 42, 1, 1 << 20, "ns|x")
+    bad = bytearray(h)
+    bad[20] ^= 1
+    assert fmt.unpack_extent_header(bytes(bad)) is None
+    keys = ["a" * 64, "b" * 64, "c"]
+    sums = np.arange(6, dtype=np.uint64).reshape(2, 3)
+    rec = fmt.pack_record("ns", keys, 2, 512, sums)
+    r = fmt.unpack_record(rec + b"\0" * 100)
+    assert r.keys == tuple(keys) and r.layers == 2 and r.chunk_bytes == 512
+    assert r.ns_digest == fmt.namespace_digest("ns") and np.array_equal(r.checksums, sums)
+    assert fmt.unpack_record(rec[:-1] + bytes([rec[-1] ^ 1])) is None  # torn
+
+
+def test_on_disk_extent_is_self_describing(make_backend):
+    """Walk a pool file with only the format module: extent header -> rounds -> records; every
+    chunk's bytes match its recorded checksum and its layer-major position."""
+    be, pool = make_backend(extra={"cio.verify_checksums": True})
+    ps = pool.page_size
+    r1, r2 = ["k0", "k1", "k2"], ["k3", "k4"]
+    for i, k in enumerate(r1 + r2):
+        fill_page(pool, i * ps, k)
+    be.batch_set_v1(r1, slots_of(pool, range(3)), HiCacheStorageExtraInfo(prefix_keys=[]))
+    be.batch_set_v1(r2, slots_of(pool, range(3, 5)), HiCacheStorageExtraInfo(prefix_keys=r1))
+    scope = be.store.index.get("k0").scope
+    assert be.store.index.get("k4").scope is scope and len(scope.extents) == 1
+    ext = scope.extents[0]
+    data = open(be.store.ssd.path_of(ext.file_index), "rb").read()[ext.offset : ext.end]
+    eh = fmt.unpack_extent_header(data[: fmt.BLOCK])
+    assert eh.namespace == be.namespace and eh.scope_id == scope.scope_id
+    g = be.store.geometry
+    off, found = fmt.BLOCK, []
+    while off < len(data):
+        parsed = fmt.unpack_round_header(data[off : off + fmt.BLOCK])
+        if parsed is None:
+            break
+        lay, seq, sid = parsed
+        rec = fmt.unpack_record(data[off + lay.record_offset : off + lay.total_bytes])
+        assert rec is not None and sid == scope.scope_id and rec.ns_digest == fmt.namespace_digest(be.namespace)
+        for p, k in enumerate(rec.keys):
+            for layer in range(rec.layers):
+                o = off + lay.chunk_offset(p, layer)
+                assert xxhash.xxh3_64_intdigest(data[o : o + rec.chunk_bytes]) == int(rec.checksums[layer, p])
+        found.append((seq, rec.keys))
+        off += lay.total_bytes
+    assert found == [(0, tuple(r1)), (1, tuple(r2))]
+    # layer-major: layer 1 of round 0 starts right after layer 0 of all its 3 pages
+    e0, e1 = be.store.index.get("k0"), be.store.index.get("k1")
+    assert e1.gva - e0.gva == g.chunk_bytes and e0.layer_stride == 3 * g.chunk_bytes
