@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Literal, Mapping, Optional
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 ALIGN = 4096  # bytes: O_DIRECT / GDS alignment of every SSD offset, length and buffer
 
@@ -54,6 +54,13 @@ class ConfigError(ValueError):
     """Invalid FlatCake configuration; the message names the offending field."""
 
 
+def _below_high(low: float, info: ValidationInfo) -> float:
+    high = info.data.get("high_watermark")
+    if high is not None and low >= high:
+        raise ValueError(f"must be below high_watermark ({high})")
+    return low
+
+
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -66,11 +73,17 @@ class DramConfig(_Section):
     low_watermark: float = Field(0.85, ge=0, lt=1, description="reclaim down to this fill fraction")
     pin: Literal["auto", "on", "off"] = "auto"
 
-    @model_validator(mode="after")
-    def _marks(self):
-        if self.low_watermark >= self.high_watermark:
-            raise ValueError("low_watermark must be below high_watermark")
-        return self
+    @field_validator("capacity_bytes")
+    @classmethod
+    def _fits_gva(cls, v: int) -> int:
+        if v >= 1 << 48:
+            raise ValueError("must be below 2**48 (GVA offset field)")
+        return v
+
+    @field_validator("low_watermark")
+    @classmethod
+    def _marks(cls, v: float, info: ValidationInfo) -> float:
+        return _below_high(v, info)
 
 
 class SsdConfig(_Section):
@@ -93,13 +106,18 @@ class SsdConfig(_Section):
             raise ValueError("must be below 2**48 (GVA offset field)")
         return v
 
-    @model_validator(mode="after")
-    def _marks(self):
-        if self.low_watermark >= self.high_watermark:
-            raise ValueError("low_watermark must be below high_watermark")
-        if self.file_bytes * self.max_files >= 1 << 48:
+    @field_validator("max_files")
+    @classmethod
+    def _fits_gva(cls, v: int, info: ValidationInfo) -> int:
+        fb = info.data.get("file_bytes")
+        if fb is not None and fb * v >= 1 << 48:
             raise ValueError("max_files * file_bytes must be below 2**48 (GVA offset field)")
-        return self
+        return v
+
+    @field_validator("low_watermark")
+    @classmethod
+    def _marks(cls, v: float, info: ValidationInfo) -> float:
+        return _below_high(v, info)
 
 
 class PlacementConfig(_Section):
@@ -193,7 +211,8 @@ def _format_validation_error(err: ValidationError) -> str:
         msg = e["msg"]
         if e["type"] == "extra_forbidden":
             msg = "unknown key"
-        lines.append(f"{loc}: {msg} (got {e.get('input')!r})")
+        got = e.get("input")
+        lines.append(f"{loc}: {msg}" + ("" if isinstance(got, dict) else f" (got {got!r})"))
     return "invalid FlatCake configuration: " + "; ".join(lines)
 
 
@@ -218,7 +237,7 @@ def load_config(
     yaml_path = over.pop("flatcake_config", None) or path
     if yaml_path is None and DEFAULT_CONFIG_PATH.exists():
         yaml_path = DEFAULT_CONFIG_PATH
-    base = read_yaml(yaml_path) if yaml_path is not None else {}
+    base = _undot(read_yaml(yaml_path)) if yaml_path is not None else {}
     merged = _deep_merge(base, _undot(over))
     try:
         return FlatCakeConfig.model_validate(merged)

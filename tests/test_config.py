@@ -189,12 +189,12 @@ def test_inverted_watermarks_name_the_section_and_field(section):
     with pytest.raises(ConfigError) as e:
         load_config(None, {f"{section}.high_watermark": 0.5, f"{section}.low_watermark": 0.6})
     msg = str(e.value)
-    assert f"{section}:" in msg
-    assert "low_watermark must be below high_watermark" in msg
+    assert f"{section}.low_watermark: " in msg
+    assert "must be below high_watermark (0.5)" in msg
 
 
 def test_equal_watermarks_are_rejected():
-    with pytest.raises(ConfigError, match="low_watermark must be below high_watermark"):
+    with pytest.raises(ConfigError, match=r"ssd\.low_watermark: .*must be below high_watermark \(0\.8\)"):
         load_config(None, {"ssd.high_watermark": 0.8, "ssd.low_watermark": 0.8})
 
 
@@ -216,7 +216,7 @@ def test_invalid_cio_engine_names_field_and_value():
 
 
 def test_ssd_capacity_past_gva_offset_field_is_rejected():
-    with pytest.raises(ConfigError, match=r"ssd: .*2\*\*48"):
+    with pytest.raises(ConfigError, match=r"ssd\.max_files: .*2\*\*48"):
         load_config(None, {"ssd.file_bytes": 1 << 40, "ssd.max_files": 256})
 
 
@@ -285,3 +285,15 @@ def test_docs_defaults_match_the_model():
     rows = _doc_rows()
     for key, default in _fields(FlatCakeConfig).items():
         assert rows[key] == _yaml_scalar(default), key
+
+
+def test_dotted_keys_inside_yaml_are_accepted(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("ssd.path: /x/y\ncio:\n  gap_bytes: 8192\n")
+    cfg = load_config(p)
+    assert (cfg.ssd.path, cfg.cio.gap_bytes) == ("/x/y", 8192)
+
+
+def test_dram_capacity_past_gva_offset_field_is_rejected():
+    with pytest.raises(ConfigError, match=r"dram\.capacity_bytes: .*2\*\*48"):
+        load_config(None, {"dram.capacity_bytes": 1 << 48})
