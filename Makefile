@@ -5,7 +5,10 @@ PY ?= python3
 VENV := .venv
 VPY := $(VENV)/bin/python
 PIP := $(VPY) -m pip
-TORCH_PIN := torch==2.13.0
+TORCH_PIN ?= torch==2.13.0
+# extra pip arguments for torch, e.g. TORCH_PIP_ARGS='--index-url https://download.pytorch.org/whl/cpu'
+# on machines without a local CPU wheel (PyPI's Linux torch 2.13.0 is a CUDA build)
+TORCH_PIP_ARGS ?=
 STAMP := $(VENV)/.flatcake-installed
 
 .PHONY: venv demo test bench clean
@@ -15,7 +18,7 @@ venv: $(STAMP)
 $(STAMP): pyproject.toml Makefile
 	test -x $(VPY) || $(PY) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q $(TORCH_PIN)
+	$(PIP) install -q $(TORCH_PIP_ARGS) $(TORCH_PIN)
 	# sglang without its (CUDA) dependency tree, plus the minimal set it needs to import
 	$(PIP) install -q --no-deps sglang==0.5.23
 	$(PIP) install -q -c constraints-cpu.txt numpy orjson psutil pybase64 requests packaging \
