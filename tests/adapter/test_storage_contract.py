@@ -268,3 +268,31 @@ def test_three_sglang_threads_concurrently(make_backend):
         t.join(timeout=120)
     assert errors == []
     assert all(be.batch_exists(k) == 12 for k in sessions)
+
+
+def test_get_stats_reports_pages_per_call_and_drains(make_backend, monkeypatch):
+    """With --enable-metrics SGLang drains get_stats() each tick. The real StorageMetrics module
+    needs prometheus/transformers, so a module with the same dataclass stands in for it."""
+    import sys
+    import types
+    from dataclasses import dataclass, field
+
+    @dataclass
+    class StorageMetrics:
+        prefetch_pgs: list = field(default_factory=list)
+        backup_pgs: list = field(default_factory=list)
+        prefetch_bandwidth: list = field(default_factory=list)
+        backup_bandwidth: list = field(default_factory=list)
+
+    mod = types.ModuleType("sglang.srt.observability.metrics_collector")
+    mod.StorageMetrics = StorageMetrics
+    monkeypatch.setitem(sys.modules, "sglang.srt.observability.metrics_collector", mod)
+    be, pool = make_backend()
+    be.storage_config.enable_storage_metrics = True
+    _write(be, pool, ["m0", "m1", "m2"], [0, 1, 2])
+    be.batch_get_v1(["m0", "m1"], slots_of(pool, [5, 6]))
+    m = be.get_stats()
+    assert (m.backup_pgs, m.prefetch_pgs) == ([3], [2])
+    assert len(m.backup_bandwidth) == 1 and m.backup_bandwidth[0] > 0
+    m2 = be.get_stats()
+    assert (m2.backup_pgs, m2.prefetch_pgs, m2.prefetch_bandwidth) == ([], [], [])
