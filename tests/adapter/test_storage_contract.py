@@ -7,7 +7,7 @@ import threading
 
 import pytest
 import torch
-from conftest import fill_page, page_matches, slots_of, storage_config
+from flatcake_testkit import fill_page, page_matches, slots_of, storage_config
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageExtraInfo
 
 from flatcake.adapter.storage import FlatCakeStorage

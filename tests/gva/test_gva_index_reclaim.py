@@ -3,7 +3,7 @@
 import os
 
 import pytest
-from conftest import fill_page, page_matches, slots_of
+from flatcake_testkit import fill_page, page_matches, slots_of
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo
 
 from flatcake.gva.address import MEDIUM_SSD, encode_gva

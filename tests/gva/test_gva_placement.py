@@ -3,7 +3,7 @@ derives from SGLang's key chain."""
 
 import pytest
 import torch
-from conftest import fill_page, slots_of
+from flatcake_testkit import fill_page, slots_of
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo
 
 from flatcake.config import PlacementConfig

@@ -5,7 +5,7 @@ import os
 import numpy as np
 import pytest
 import xxhash
-from conftest import fill_page, slots_of
+from flatcake_testkit import fill_page, slots_of
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo
 
 from flatcake.config import SsdConfig
