@@ -1,0 +1,284 @@
+"""``flatcake-replay`` / ``python scripts/replay_trace.py``: replay a real trace through FlatCake and
+SGLang's file backend side by side, with real bytes on real disk.
+
+Usage::
+
+    flatcake-replay --config configs/demo.yaml --out runs/demo
+    flatcake-replay --trace ../shared/traces/mooncake/conversation_trace.jsonl \\
+        --config configs/demo.yaml --max-requests 300 --systems flatcake,file --out runs/mc
+
+Every flag defaults to the config's ``replay:`` section (then to built-in defaults), so the first
+line is the whole demo. Input paths in the config (``replay.trace``, ``model.profile``) are
+relative to the config file; ``--out`` and paths given on the command line to the current
+directory. Outputs in ``--out``: ``summary.json``, ``summary.md`` (printed at the end) and
+``requests.csv`` (one row per request and system) and ``ttft_cdf.png``. The storage directories
+(``<out>/hicache-file``, ``<out>/flatcake-ssd``) are emptied at the start and removed at the end
+unless ``replay.keep_data`` / ``--keep-data``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import logging
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from tqdm import tqdm
+
+from flatcake.config import ConfigError, FlatCakeConfig, load_config, read_yaml
+from flatcake.replay.engine import Engine, EngineConfig, ModelProfile, RequestOutcome
+from flatcake.replay.keys import PageKeyer
+from flatcake.replay.report import markdown, plot_ttft_cdf, system_summary
+from flatcake.replay.systems import SYSTEMS, make_system
+from flatcake.replay.traces import detect_format, ideal_hit_rate, load_trace
+
+log = logging.getLogger("flatcake.replay")
+
+_CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+DEFAULT_MODEL_PROFILE = _CONFIGS / "model-qwen2.5-0.5b.yaml"
+
+#: replay-section keys and their defaults (``docs/replay.md`` lists them with units)
+REPLAY_DEFAULTS: dict[str, Any] = {
+    "trace": None,
+    "systems": ["flatcake", "file"],
+    "max_requests": None,
+    "out": "runs/replay",
+    "sessions": None,  # WEKA: conversations to read (archive order)
+    "session_gap_s": 60.0,  # WEKA: seconds between conversation starts
+    "skip_sessions": 0,
+    "max_context_tokens": None,  # WEKA: skip conversations with a larger prompt
+    "hbm_pages": 512,
+    "host_pool_pages": 512,
+    "prefetch_threshold_tokens": 256,
+    "prefetch_policy": "wait_complete",
+    "prefetch_timeout_base_s": 1.0,
+    "prefetch_timeout_per_ki_token_s": 0.25,
+    "drop_page_cache": True,
+    "keep_data": False,
+    "file_extra": {},
+    "plot": True,  # write ttft_cdf.png (matplotlib)
+}
+
+
+def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(_flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def _resolve(path: Optional[str], base: Path) -> Optional[Path]:
+    if path is None:
+        return None
+    p = Path(os.path.expanduser(str(path)))
+    return p if p.is_absolute() else (base / p)
+
+
+def resolve_model(cfg: FlatCakeConfig, config_dir: Path) -> ModelProfile:
+    """The model profile: ``model.profile`` (a YAML file with a ``model:`` section, relative to
+    the config) overlaid with the other ``model.*`` keys; default ``configs/model-qwen2.5-0.5b.yaml``."""
+    m = dict(cfg.model or {})
+    prof_path = _resolve(m.pop("profile", None), config_dir) if "profile" in m else None
+    if prof_path is None and not m:
+        prof_path = DEFAULT_MODEL_PROFILE
+    base: dict = {}
+    if prof_path is not None:
+        base = dict(read_yaml(prof_path).get("model") or {})
+        base.pop("profile", None)
+    base.update(m)
+    return ModelProfile.from_dict(base)
+
+
+def replay_settings(cfg: FlatCakeConfig, args: argparse.Namespace, config_dir: Path) -> dict[str, Any]:
+    """Merge built-in defaults < config ``replay:`` < command-line flags."""
+    rp = dict(cfg.replay or {})
+    unknown = set(rp) - set(REPLAY_DEFAULTS)
+    if unknown:
+        raise ConfigError(f"replay: unknown key(s) {sorted(unknown)}")
+    s = {**REPLAY_DEFAULTS, **rp}
+    if s["trace"] is not None:
+        s["trace"] = _resolve(s["trace"], config_dir)
+    if args.trace:
+        s["trace"] = Path(args.trace)
+    if args.systems:
+        s["systems"] = [x.strip() for x in args.systems.split(",") if x.strip()]
+    if isinstance(s["systems"], str):
+        s["systems"] = [x.strip() for x in s["systems"].split(",") if x.strip()]
+    for flag in ("max_requests", "out", "sessions", "hbm_pages"):
+        v = getattr(args, flag)
+        if v is not None:
+            s[flag] = v
+    if args.keep_data:
+        s["keep_data"] = True
+    bad = [x for x in s["systems"] if x not in SYSTEMS]
+    if bad:
+        raise ConfigError(f"replay.systems: unknown system(s) {bad} (known: {', '.join(SYSTEMS)})")
+    if s["trace"] is None:
+        raise ConfigError("replay.trace: no trace given (use --trace PATH or replay.trace)")
+    if not Path(s["trace"]).exists():
+        raise ConfigError(f"replay.trace: not found: {s['trace']}")
+    return s
+
+
+def _disk_bytes(root: Path) -> int:
+    """Bytes allocated on disk under ``root`` (st_blocks * 512)."""
+    total = 0
+    if root.exists():
+        for dirpath, _dirs, files in os.walk(root):
+            for f in files:
+                try:
+                    total += os.lstat(os.path.join(dirpath, f)).st_blocks * 512
+                except OSError:
+                    pass
+    return total
+
+
+def run_replay(cfg: FlatCakeConfig, settings: dict[str, Any], profile: ModelProfile,
+               progress: bool = True) -> dict[str, Any]:
+    """Replay ``settings['trace']`` through every system and write the outputs.
+
+    Returns:
+        The summary (also written to ``<out>/summary.json``).
+    """
+    out = Path(settings["out"])
+    out.mkdir(parents=True, exist_ok=True)
+    trace = Path(settings["trace"])
+    t0 = time.perf_counter()
+    reqs = load_trace(trace, settings["max_requests"], settings["sessions"], settings["session_gap_s"],
+                      settings["skip_sessions"], settings["max_context_tokens"])
+    keyer = PageKeyer(profile.page_size)
+    keys = [keyer.keys(r) for r in reqs]
+    hits, total = ideal_hit_rate(keys)
+    unique = len({k for ks in keys for k in ks})
+    load_s = time.perf_counter() - t0
+
+    ecfg = EngineConfig(**{k: settings[k] for k in EngineConfig.__dataclass_fields__})
+    fc_keys = _flatten(cfg.model_dump(exclude={"model", "replay"}))
+    names = list(settings["systems"])
+    systems = {
+        n: make_system(n, profile, settings["host_pool_pages"], out, fc_keys, settings["file_extra"],
+                       settings["drop_page_cache"])
+        for n in names
+    }
+    engines = {n: Engine(systems[n], profile, ecfg) for n in names}
+    outcomes: dict[str, list[RequestOutcome]] = {n: [] for n in names}
+    disk: dict[str, int] = {}
+    try:
+        bar = tqdm(total=len(reqs), desc="replay", unit="req", disable=not progress, file=sys.stderr)
+        hit = dict.fromkeys(names, 0)  # running delivered-hit pages, for the bar
+        seen_pages = 0
+        for i, (r, ks) in enumerate(zip(reqs, keys)):
+            # rotate which system goes first so neither always meets a warmer/colder disk
+            order = names[i % len(names):] + names[: i % len(names)]
+            for n in order:
+                o = engines[n].run(ks, r.prompt_tokens)
+                outcomes[n].append(o)
+                hit[n] += o.hbm_pages + o.l3_pages
+            seen_pages += len(ks)
+            bar.update(1)
+            if progress:
+                bar.set_postfix({n: f"{hit[n] / max(1, seen_pages):.1%}" for n in names}, refresh=False)
+        bar.close()
+    finally:
+        counters = {}
+        for n, s in systems.items():
+            try:
+                counters[n] = s.counters()
+            except Exception:
+                counters[n] = {}
+            s.close()
+            root = out / ("hicache-file" if n == "file" else "flatcake-ssd")
+            disk[n] = _disk_bytes(root)
+            if not settings["keep_data"]:
+                shutil.rmtree(root, ignore_errors=True)
+
+    summary: dict[str, Any] = {
+        "trace": os.path.normpath(str(trace)),
+        "trace_format": detect_format(trace),
+        "requests": len(reqs),
+        "sessions": len({r.session for r in reqs}) if detect_format(trace) == "weka" else None,
+        "prompt_pages": total,
+        "unique_pages": unique,
+        "ideal_hit_rate": hits / total if total else None,
+        "model": {**profile.__dict__, "page_bytes": profile.page_bytes,
+                  "bytes_per_token": profile.bytes_per_token},
+        "engine": ecfg.__dict__,
+        "trace_load_s": load_s,
+        "systems": {},
+    }
+    for n in names:
+        s = system_summary(outcomes[n], counters.get(n, {}), profile.page_size, profile.page_bytes,
+                           sum(o.wall_s for o in outcomes[n]), systems[n].errors)
+        s["disk_bytes_at_end"] = disk.get(n, 0)
+        summary["systems"][n] = s
+    summary["config"] = {
+        "replay": {k: (str(v) if isinstance(v, Path) else v) for k, v in settings.items()},
+        "flatcake": cfg.model_dump(exclude={"model", "replay"}),
+        "model": cfg.model,
+    }
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    (out / "summary.md").write_text(markdown(summary))
+    if settings.get("plot", True):
+        plot_ttft_cdf({n: [o.ttft_s for o in outcomes[n]] for n in names}, out / "ttft_cdf.png")
+    with (out / "requests.csv").open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["request", "system", "pages", "prompt_tokens", "hbm_pages", "l3_query_pages",
+                    "dram_pages", "ssd_pages", "computed_pages", "written_pages", "verify_failures",
+                    "query_s", "read_s", "load_s", "prefill_s", "ttft_s", "write_s"])
+        for n in names:
+            for i, o in enumerate(outcomes[n]):
+                w.writerow([i, n, o.pages, o.prompt_tokens, o.hbm_pages, o.l3_query_pages, o.dram_pages,
+                            o.ssd_pages, o.computed_pages, o.written_pages, o.verify_failures,
+                            f"{o.query_s:.6f}", f"{o.read_s:.6f}", f"{o.load_s:.6f}",
+                            f"{o.prefill_s:.6f}", f"{o.ttft_s:.6f}", f"{o.write_s:.6f}"])
+    return summary
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="flatcake-replay",
+        description="Replay a real KV-reuse trace through FlatCake and SGLang's file backend.",
+    )
+    p.add_argument("--config", help="YAML config (FlatCake keys + model: + replay: sections)")
+    p.add_argument("--trace", help="trace: Mooncake .jsonl or WEKA .tar.xz")
+    p.add_argument("--systems", help="comma-separated systems (default flatcake,file)")
+    p.add_argument("--max-requests", type=int, help="replay the first N requests (arrival order)")
+    p.add_argument("--out", help="output directory (summary.json, summary.md, requests.csv)")
+    p.add_argument("--sessions", type=int, help="WEKA: conversations to interleave")
+    p.add_argument("--hbm-pages", type=int, help="HBM prefix-cache capacity in pages")
+    p.add_argument("--keep-data", action="store_true", help="keep the storage directories")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        cfg = load_config(args.config) if args.config else load_config(None)
+        config_dir = Path(args.config).resolve().parent if args.config else Path.cwd()
+        profile = resolve_model(cfg, config_dir)
+        settings = replay_settings(cfg, args, config_dir)
+    except (ConfigError, ValueError, FileNotFoundError) as e:
+        print(f"flatcake-replay: {e}", file=sys.stderr)
+        return 2
+    t0 = time.perf_counter()
+    summary = run_replay(cfg, settings, profile, progress=not args.no_progress)
+    print(markdown(summary))
+    print(f"wrote {Path(settings['out']) / 'summary.json'} in {time.perf_counter() - t0:.1f} s")
+    bad = sum(s["verify_failures"] for s in summary["systems"].values())
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

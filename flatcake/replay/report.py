@@ -1,0 +1,176 @@
+"""Aggregate per-request outcomes into ``summary.json`` and a side-by-side ``summary.md``.
+
+Definitions (per system, over the replayed requests):
+
+* ``delivered_hit_rate`` = (HBM hit pages + pages actually delivered from L3) / prompt pages: only
+  pages in engine memory before prefill started count (a page the hit query reported but that was
+  not read in time is a miss).
+* ``hit_tokens`` = delivered pages × ``page_size``, by medium (``hbm``, L3 ``dram``, L3 ``ssd``).
+* ``read_amplification`` = SSD bytes read / bytes of pages delivered from SSD.
+* ``write_amplification`` = bytes written to the media (SSD + L3 DRAM) / logical page bytes stored.
+* ``ssd_read_gbps`` = SSD bytes read / seconds spent inside the read calls (GB = 1e9 bytes).
+* ``ttft_s``: measured storage time of the hit query and read calls + modelled host→HBM load +
+  modelled prefill compute (see :mod:`flatcake.replay.engine`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from flatcake.replay.engine import RequestOutcome
+
+
+def _ratio(a: float, b: float) -> float | None:
+    return float(a) / float(b) if b else None
+
+
+def system_summary(outcomes: Sequence[RequestOutcome], counters: Mapping[str, int], page_size: int,
+                   page_bytes: int, wall_s: float, errors: int = 0) -> dict[str, Any]:
+    """One system's metrics.
+
+    Args:
+        outcomes: per-request outcomes, in replay order.
+        counters: the system's cumulative I/O counters at the end (bytes, ops, pages).
+        page_size: tokens per page.
+        page_bytes: bytes per page.
+        wall_s: seconds the engine spent on this system's requests (measured).
+        errors: backend exceptions caught.
+    """
+    pages = sum(o.pages for o in outcomes)
+    hbm = sum(o.hbm_pages for o in outcomes)
+    dram = sum(o.dram_pages for o in outcomes)
+    ssd = sum(o.ssd_pages for o in outcomes)
+    ttft = np.array([o.ttft_s for o in outcomes], dtype=np.float64) if outcomes else np.zeros(1)
+    read_s = sum(o.read_s for o in outcomes)
+    ssd_read = int(counters.get("ssd_read_bytes", 0))
+    media_written = int(counters.get("ssd_write_bytes", 0)) + int(counters.get("dram_write_bytes", 0))
+    return {
+        "delivered_hit_rate": _ratio(hbm + dram + ssd, pages),
+        "hit_tokens": {"hbm": hbm * page_size, "dram": dram * page_size, "ssd": ssd * page_size},
+        "prompt_tokens": int(sum(o.prompt_tokens for o in outcomes)),
+        "prompt_pages": pages,
+        "l3_query_hit_pages": int(sum(o.l3_query_pages for o in outcomes)),
+        "computed_pages": int(sum(o.computed_pages for o in outcomes)),
+        "written_pages": int(sum(o.written_pages for o in outcomes)),
+        "ttft_s": {
+            "mean": float(ttft.mean()),
+            "p50": float(np.percentile(ttft, 50)),
+            "p99": float(np.percentile(ttft, 99)),
+        },
+        "ttft_parts_mean_s": {
+            "query_measured": float(np.mean([o.query_s for o in outcomes])) if outcomes else 0.0,
+            "read_measured": float(np.mean([o.read_s for o in outcomes])) if outcomes else 0.0,
+            "load_modelled": float(np.mean([o.load_s for o in outcomes])) if outcomes else 0.0,
+            "prefill_modelled": float(np.mean([o.prefill_s for o in outcomes])) if outcomes else 0.0,
+        },
+        "ssd_read_bytes": ssd_read,
+        "ssd_read_ops": int(counters.get("ssd_read_ops", 0)),
+        "ssd_over_read_bytes": int(counters.get("ssd_over_read_bytes", 0)),
+        "ssd_write_bytes": int(counters.get("ssd_write_bytes", 0)),
+        "ssd_write_ops": int(counters.get("ssd_write_ops", 0)),
+        "dram_write_bytes": int(counters.get("dram_write_bytes", 0)),
+        "logical_write_bytes": int(counters.get("logical_write_bytes", 0)),
+        "read_amplification": _ratio(ssd_read, ssd * page_bytes),
+        "write_amplification": _ratio(media_written, counters.get("logical_write_bytes", 0)),
+        "merged_reads": int(counters.get("merged_reads", 0)),
+        "verify_failures": int(sum(o.verify_failures for o in outcomes)),
+        "backend_errors": int(errors),
+        "query_s": float(sum(o.query_s for o in outcomes)),
+        "read_s": float(read_s),
+        "write_s": float(sum(o.write_s for o in outcomes)),
+        "ssd_read_gbps": (ssd_read / read_s / 1e9) if read_s > 0 else None,
+        "wall_s": float(wall_s),
+    }
+
+
+def _fmt(v: Any, kind: str = "") -> str:
+    if v is None:
+        return "–"
+    if kind == "pct":
+        return f"{100 * v:.2f}%"
+    if kind == "s":
+        return f"{v:.3f}"
+    if kind == "gb":
+        return f"{v / 1e9:.2f}"
+    if kind == "x":
+        return f"{v:.3f}"
+    if kind == "gbps":
+        return f"{v:.2f}"
+    if isinstance(v, float):
+        return f"{v:.3g}"
+    return f"{v:,}" if isinstance(v, int) else str(v)
+
+
+_ROWS: list[tuple[str, Any, str]] = [
+    ("delivered hit rate", lambda s: s["delivered_hit_rate"], "pct"),
+    ("hit tokens HBM", lambda s: s["hit_tokens"]["hbm"], ""),
+    ("hit tokens L3 DRAM", lambda s: s["hit_tokens"]["dram"], ""),
+    ("hit tokens L3 SSD", lambda s: s["hit_tokens"]["ssd"], ""),
+    ("prompt tokens", lambda s: s["prompt_tokens"], ""),
+    ("TTFT mean (s)", lambda s: s["ttft_s"]["mean"], "s"),
+    ("TTFT p50 (s)", lambda s: s["ttft_s"]["p50"], "s"),
+    ("TTFT p99 (s)", lambda s: s["ttft_s"]["p99"], "s"),
+    ("  of which L3 query+read, measured (mean s)",
+     lambda s: s["ttft_parts_mean_s"]["query_measured"] + s["ttft_parts_mean_s"]["read_measured"], "s"),
+    ("  of which HBM load + prefill, modelled (mean s)",
+     lambda s: s["ttft_parts_mean_s"]["load_modelled"] + s["ttft_parts_mean_s"]["prefill_modelled"], "s"),
+    ("SSD read (GB)", lambda s: s["ssd_read_bytes"], "gb"),
+    ("SSD read ops", lambda s: s["ssd_read_ops"], ""),
+    ("merged reads", lambda s: s["merged_reads"], ""),
+    ("SSD read GB/s (in read calls)", lambda s: s["ssd_read_gbps"], "gbps"),
+    ("SSD write (GB)", lambda s: s["ssd_write_bytes"], "gb"),
+    ("read amplification", lambda s: s["read_amplification"], "x"),
+    ("write amplification", lambda s: s["write_amplification"], "x"),
+    ("verify failures", lambda s: s["verify_failures"], ""),
+    ("backend errors", lambda s: s["backend_errors"], ""),
+    ("write calls (s, async in SGLang)", lambda s: s["write_s"], "s"),
+    ("wall (s)", lambda s: s["wall_s"], "s"),
+]
+
+
+def markdown(summary: Mapping[str, Any]) -> str:
+    """The side-by-side table of ``summary`` (as written to ``summary.md``)."""
+    systems: Mapping[str, Any] = summary["systems"]
+    names = list(systems)
+    m = summary.get("model", {})
+    lines = [
+        "# FlatCake trace replay",
+        "",
+        f"- trace: `{summary['trace']}` ({summary['requests']} requests, "
+        f"{summary.get('prompt_pages', 0):,} prompt pages, {summary.get('unique_pages', 0):,} unique)",
+        f"- ideal (infinite-cache) page hit rate: {_fmt(summary['ideal_hit_rate'], 'pct')}",
+        f"- model profile: {m.get('name')} ({m.get('attention')}, {m.get('page_bytes', 0) / 1024:.0f} KiB "
+        f"per {m.get('page_size')}-token page); HBM {summary.get('engine', {}).get('hbm_pages')} pages",
+        "- TTFT = measured storage time (L3 hit query + reads) + modelled host→HBM load + modelled "
+        "prefill compute (no GPU here); requests are served one at a time (no queueing).",
+        "",
+        "| metric | " + " | ".join(names) + " |",
+        "|---|" + "---:|" * len(names),
+    ]
+    for label, get, kind in _ROWS:
+        lines.append(f"| {label} | " + " | ".join(_fmt(get(systems[n]), kind) for n in names) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_ttft_cdf(ttfts: Mapping[str, Sequence[float]], path) -> None:
+    """Write a TTFT CDF (one line per system, seconds on a log axis) to ``path`` (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, vals in ttfts.items():
+        v = np.sort(np.asarray(vals, dtype=np.float64))
+        if v.size:
+            ax.plot(np.maximum(v, 1e-4), np.arange(1, v.size + 1) / v.size, label=name)
+    ax.set_xscale("log")
+    ax.set_xlabel("TTFT (s): measured storage + modelled load and prefill")
+    ax.set_ylabel("fraction of requests")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

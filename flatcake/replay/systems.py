@@ -1,0 +1,341 @@
+"""L3 systems under test, each an SGLang ``HiCacheStorage`` backend called exactly as SGLang's
+cache controller calls it (``managers/cache_controller.py`` in sglang 0.5.23).
+
+* ``flatcake``: :class:`flatcake.FlatCakeStorage`, created by SGLang's own
+  ``StorageBackendFactory.create_backend("dynamic", config)`` with ``interface_v1: 1``, so the
+  zero-copy path is used: ``batch_exists`` → ``batch_get_v1(keys, host_indices, extra_info)`` →
+  ``batch_set_v1``; ``register_mem_pool_host(pool)`` right after construction. Its I/O counters
+  come from ``backend.flatcake_stats()`` (cumulative; deltas are taken around calls).
+* ``file``: SGLang's ``HiCacheFile`` (``create_backend("file", ...)``). It has no v1 methods in
+  0.5.23, so it goes through the controller's generic path: ``batch_get(keys, [dummy flat
+  page …])`` then ``set_from_flat_data_page`` for the leading run of non-None results, and
+  ``batch_set(keys, [pool.get_data_page(slot) …])``. HiCacheFile keeps one file per page, so its
+  I/O is accounted here: a delivered page = one read op of ``page_bytes``; a page written that did
+  not exist before = one write op of ``page_bytes``; every hit is an SSD hit.
+
+  HiCacheFile uses buffered I/O, so without care its reads would come from the OS page cache
+  (this machine has more RAM than the demo writes). With ``drop_page_cache`` (default on) the
+  harness flushes each newly written page file (one ``os.sync()`` per write call) and drops it and
+  every file it read from the page cache (``posix_fadvise(DONTNEED)``), outside the timed calls,
+  so its reads hit the disk as FlatCake's O_DIRECT reads do.
+
+Lifecycle: ``make_system(name, ...)`` → ``exists``/``get``/``set`` per request →
+``counters()`` → ``close()``. Each call leaves the seconds spent in exactly the work SGLang's
+controller does for it (the backend call plus, on the generic path, the dummy pages and
+``set_from_flat_data_page``) in ``last_call_s``; harness bookkeeping (counter snapshots,
+page-cache drops) is outside that. A backend exception is a miss / a failed write (counted in
+``errors``), as in SGLang, which logs and carries on.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any, Mapping, Optional
+
+import torch
+
+from flatcake.replay.engine import ModelProfile
+
+log = logging.getLogger(__name__)
+
+#: cumulative counters every system reports (bytes, ops, pages)
+COUNTER_KEYS = (
+    "hit_pages_dram",
+    "hit_pages_ssd",
+    "ssd_read_bytes",
+    "ssd_read_ops",
+    "ssd_over_read_bytes",
+    "ssd_write_bytes",
+    "ssd_write_ops",
+    "dram_write_bytes",
+    "logical_write_bytes",
+    "logical_read_bytes_ssd",
+    "merged_reads",
+)
+
+
+def _extra_info(prefix_keys):
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo
+
+    return HiCacheStorageExtraInfo(prefix_keys=list(prefix_keys))
+
+
+def storage_config(profile: ModelProfile, extra_config: dict):
+    """The ``HiCacheStorageConfig`` a single-rank SGLang server builds for ``profile``."""
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+
+    return HiCacheStorageConfig(
+        tp_rank=0,
+        tp_size=1,
+        pp_rank=0,
+        pp_size=1,
+        attn_cp_rank=0,
+        attn_cp_size=1,
+        is_mla_model=profile.attention == "mla",
+        enable_storage_metrics=False,
+        is_page_first_layout=profile.layout == "page_first",
+        model_name=profile.name,
+        extra_config=extra_config,
+    )
+
+
+class L3System:
+    """Base: one backend + its host pool. Subclasses implement the three calls.
+
+    Attributes:
+        name: system name used in reports.
+        pool: the host pool (a :mod:`flatcake.adapter.host_pool` double).
+        backend: the ``HiCacheStorage`` instance.
+        errors: backend exceptions caught (each treated as a miss / failed write).
+    """
+
+    name = "?"
+
+    def __init__(self, profile: ModelProfile, pool, backend):
+        self.profile = profile
+        self.pool = pool
+        self.backend = backend
+        self.page_size = profile.page_size
+        self.errors = 0
+        # the backend itself, also when SGLang's test fault injector wraps it
+        # (SGLANG_TEST_HICACHE_BACKEND_RANDOM_{DELAY,FAILURE}); harness bookkeeping uses this one
+        self.inner = getattr(backend, "_backend", backend)
+        self.last_call_s = 0.0  # seconds of the last exists/get/set call (storage time)
+
+    def exists(self, keys: list[str], prefix_keys: list[str]) -> int:
+        """``batch_exists(keys, extra_info(prefix_keys))``: leading run of present pages."""
+        info = _extra_info(prefix_keys)
+        t0 = time.perf_counter()
+        try:
+            n = int(self.backend.batch_exists(keys, info) or 0)
+        except Exception:  # SGLang logs and treats it as 0 hits
+            n = -1
+        self.last_call_s = time.perf_counter() - t0
+        if n < 0:
+            self._error("batch_exists")
+            return 0
+        return n
+
+    def get(self, keys: list[str], host_indices: torch.Tensor, prefix_keys: list[str]) -> tuple[int, int, int]:
+        """Read ``keys`` into the host pages of ``host_indices``.
+
+        Returns:
+            ``(delivered, dram_pages, ssd_pages)``: the leading run of pages delivered, split by
+            the L3 medium that served them.
+        """
+        raise NotImplementedError
+
+    def set(self, keys: list[str], host_indices: torch.Tensor, prefix_keys: list[str]) -> bool:
+        """Write the host pages of ``host_indices`` under ``keys``; True when all succeeded."""
+        raise NotImplementedError
+
+    def prepare_set(self, keys: list[str]) -> None:
+        """Harness bookkeeping before a timed ``set`` (not storage time)."""
+
+    def after_call(self) -> None:
+        """Harness work after a timed ``get``/``set`` (not storage time)."""
+
+    def counters(self) -> dict[str, int]:
+        """Cumulative I/O counters (see :data:`COUNTER_KEYS`)."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        close = getattr(self.inner, "close", None)  # the injector forwards close() blindly
+        if close is not None:
+            try:
+                close()
+            except Exception:
+                self._error("close")
+
+    def _error(self, what: str) -> None:
+        self.errors += 1
+        if self.errors <= 3:
+            log.exception("%s: %s raised (counted as a miss/failure)", self.name, what)
+
+
+class FileSystem(L3System):
+    """SGLang's HiCacheFile through the controller's generic (non-v1) path."""
+
+    name = "file"
+
+    def __init__(self, profile: ModelProfile, pool, root: Path, extra: Optional[Mapping[str, Any]] = None,
+                 drop_page_cache: bool = True):
+        from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+
+        self.root = Path(root)
+        cfg = {"file_storage_path": str(self.root), **dict(extra or {})}
+        backend = StorageBackendFactory.create_backend("file", storage_config(profile, cfg), None)
+        backend.register_mem_pool_host(pool)
+        super().__init__(profile, pool, backend)
+        self.drop_page_cache = drop_page_cache
+        self._c = dict.fromkeys(COUNTER_KEYS, 0)
+        self._read_keys: list[str] = []
+        self._new_keys: list[str] = []
+
+    def _path(self, key: str) -> str:
+        # HiCacheFile's own naming: <file_path>/<key><config suffix>.bin
+        return os.path.join(self.inner.file_path, f"{self.inner._get_suffixed_key(key)}.bin")
+
+    def _drop(self, keys, sync: bool) -> None:
+        if not self.drop_page_cache or not keys:
+            return
+        if sync:
+            os.sync()
+        for k in keys:
+            try:
+                fd = os.open(self._path(k), os.O_RDONLY)
+            except OSError:
+                continue
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+    def get(self, keys, host_indices, prefix_keys):
+        pool, P = self.pool, self.page_size
+        t0 = time.perf_counter()
+        dummy = [pool.get_dummy_flat_data_page() for _ in keys]
+        failed = False
+        try:
+            data = self.backend.batch_get(keys, dummy)
+        except Exception:
+            failed, data = True, None
+        count = 0
+        if data is not None:
+            for i in range(len(keys)):
+                if data[i] is None:
+                    break
+                pool.set_from_flat_data_page(int(host_indices[i * P]), data[i])
+                count += 1
+        self.last_call_s = time.perf_counter() - t0
+        if failed:
+            self._error("batch_get")
+        self._read_keys = keys[:count]
+        pb = self.profile.page_bytes
+        self._c["hit_pages_ssd"] += count
+        self._c["ssd_read_bytes"] += count * pb
+        self._c["ssd_read_ops"] += count
+        self._c["logical_read_bytes_ssd"] += count * pb
+        return count, 0, count
+
+    def prepare_set(self, keys):
+        # which pages HiCacheFile will really write (it skips keys whose file exists)
+        self._new_keys = [k for k in keys if not self.inner.exists(k)]
+
+    def set(self, keys, host_indices, prefix_keys):
+        pool, P = self.pool, self.page_size
+        t0 = time.perf_counter()
+        data = [pool.get_data_page(int(host_indices[i * P])) for i in range(len(keys))]
+        try:
+            ok = bool(self.backend.batch_set(keys, data))
+        except Exception:
+            ok = None
+        self.last_call_s = time.perf_counter() - t0
+        if ok is None:
+            self._error("batch_set")
+        return bool(ok)
+
+    def after_call(self) -> None:
+        if self._read_keys:
+            self._drop(self._read_keys, sync=False)
+            self._read_keys = []
+        if self._new_keys:
+            written = [k for k in self._new_keys if self.inner.exists(k)]
+            self._new_keys = []
+            pb = self.profile.page_bytes
+            self._c["ssd_write_bytes"] += len(written) * pb
+            self._c["ssd_write_ops"] += len(written)
+            self._c["logical_write_bytes"] += len(written) * pb
+            self._drop(written, sync=True)
+
+    def counters(self):
+        return dict(self._c)
+
+
+class FlatCakeSystem(L3System):
+    """FlatCakeStorage created by SGLang's factory as a ``dynamic`` backend with ``interface_v1``."""
+
+    name = "flatcake"
+
+    def __init__(self, profile: ModelProfile, pool, ssd_dir: Path, flatcake_keys: Mapping[str, Any]):
+        from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+
+        extra = {
+            "backend_name": "flatcake",
+            "module_path": "flatcake",
+            "class_name": "FlatCakeStorage",
+            "interface_v1": 1,
+            "hicache_storage_pass_prefix_keys": True,
+            **dict(flatcake_keys),
+            "ssd.path": str(ssd_dir),
+        }
+        backend = StorageBackendFactory.create_backend("dynamic", storage_config(profile, extra), None)
+        backend.register_mem_pool_host(pool)
+        super().__init__(profile, pool, backend)
+        self._stats = getattr(self.inner, "flatcake_stats", None)
+
+    def _snap(self) -> dict[str, int]:
+        if self._stats is None:
+            return dict.fromkeys(COUNTER_KEYS, 0)
+        s = self._stats()
+        return {k: int(s.get(k, 0)) for k in COUNTER_KEYS}
+
+    def get(self, keys, host_indices, prefix_keys):
+        before = self._snap()
+        info = _extra_info(prefix_keys)
+        t0 = time.perf_counter()
+        failed = False
+        try:
+            res = self.backend.batch_get_v1(keys, host_indices, info)
+        except Exception:
+            failed, res = True, None
+        count = 0
+        for r in res or []:
+            if not r:
+                break
+            count += 1
+        self.last_call_s = time.perf_counter() - t0
+        if failed:
+            self._error("batch_get_v1")
+        after = self._snap()
+        dram = min(count, after["hit_pages_dram"] - before["hit_pages_dram"])
+        return count, dram, count - dram
+
+    def set(self, keys, host_indices, prefix_keys):
+        info = _extra_info(prefix_keys)
+        t0 = time.perf_counter()
+        try:
+            ok = all(self.backend.batch_set_v1(keys, host_indices, info) or [False])
+        except Exception:
+            ok = None
+        self.last_call_s = time.perf_counter() - t0
+        if ok is None:
+            self._error("batch_set_v1")
+        return bool(ok)
+
+    def counters(self):
+        return self._snap()
+
+
+SYSTEMS = ("flatcake", "file")
+
+
+def make_system(name: str, profile: ModelProfile, host_pool_pages: int, out_dir: Path,
+                flatcake_keys: Mapping[str, Any], file_extra: Optional[Mapping[str, Any]] = None,
+                drop_page_cache: bool = True) -> L3System:
+    """Create system ``name`` with a fresh host pool and an empty storage directory under
+    ``out_dir`` (``hicache-file/`` or ``flatcake-ssd/``; an old one is removed first)."""
+    pool = profile.make_host_pool(host_pool_pages)
+    if name == "file":
+        root = Path(out_dir) / "hicache-file"
+        shutil.rmtree(root, ignore_errors=True)
+        return FileSystem(profile, pool, root, file_extra, drop_page_cache)
+    if name == "flatcake":
+        root = Path(out_dir) / "flatcake-ssd"
+        shutil.rmtree(root, ignore_errors=True)
+        return FlatCakeSystem(profile, pool, root, flatcake_keys)
+    raise ValueError(f"unknown system {name!r} (known: {', '.join(SYSTEMS)})")
