@@ -1,0 +1,456 @@
+"""FC-CIO restore: SSD chunks → staging window → KV page slots (paper §3.3).
+
+Lifecycle of one :meth:`RestoreEngine.restore` call::
+
+    plan      plan_reads(): sort by (file, offset), merge, bridge gaps < gap_bytes, align to 4 KiB,
+              split at max_io_bytes                                   (flatcake.cio.plan)
+    batch     cut the merged reads into batches that fit one staging buffer, layer order
+    acquire   take a double-buffered staging window; WAIT while all are busy (never fail)
+    pipeline  for batch i:  submit reads of batch i+1 into the other buffer
+                            wait reads of batch i → keep chunks fully read (and checksum-clean)
+                            scatter them into the layout (torch / Triton kernel)
+              (POSIX on CPU: the chunks of each I/O piece are verified and scattered on a small
+               scatter pool as soon as the piece lands, so the scatter of layer l overlaps the
+               reads of layer l and l+1; the buffer is reused only after all its scatters finished)
+              (GPU: the scatter runs on a CUDA stream and records an event; a buffer is
+               refilled only after its event completed)
+    release   window back to the pool; report pages, merged reads, bytes, over-read, failures
+
+Guarantees:
+
+* **No I/O fault raises.** EIO, a missing file, a short read or EOF, or a checksum mismatch
+  turn the affected chunks' tags into ``RestoreReport.failed_tags``; each distinct error is
+  logged once.
+* **No stale bytes.** A chunk is scattered only if every byte of it was read by *this* restore
+  (and, with ``cfg.verify_checksums`` and a checksum given, its xxh3-64 matches); a slot whose
+  chunk failed keeps its previous contents.
+* **Thread-safe, O(1) staging.** Any number of threads may call :meth:`restore`; they share
+  ``cfg.windows`` windows of two ``staging_bytes`` buffers, allocated once at start-up.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
+
+import torch
+import xxhash
+
+from flatcake.cio.engines import (
+    EngineUnavailableError,
+    ErrorLog,
+    IoEngine,
+    IoPiece,
+    KvikioEngine,
+    PosixEngine,
+    probe_direct_io,
+    select_engine,
+    split_pieces,
+)
+from flatcake.cio.plan import ChunkRead, MergedRead, batch_reads, plan_reads
+from flatcake.cio.staging import StagingPool
+from flatcake.config import ALIGN, CioConfig
+from flatcake.kernels.scatter import resolve_impl, scatter_chunks
+
+log = logging.getLogger(__name__)
+
+
+def _align_up(x: int, a: int = ALIGN) -> int:
+    return -(-x // a) * a
+
+
+#: Floor of the automatic staging buffer size (bytes). Measured on the dev machine's virtual
+#: disk (docs/performance.md): with 4 MiB buffers (one layer of 128 small pages) only ~8 MiB is
+#: ever in flight and restores reach ~0.8x a 16 MiB sequential read; 16 MiB buffers reach ~0.85-0.9x.
+MIN_AUTO_STAGING_BYTES = 16 << 20
+
+
+def auto_staging_bytes(chunk_bytes: int, max_pages_per_restore: int) -> int:
+    """Default bytes per staging buffer: one layer of ``max_pages_per_restore`` chunks plus
+    alignment slack (the first and last 4 KiB block of a read), rounded up to 4 KiB, and at
+    least :data:`MIN_AUTO_STAGING_BYTES` so enough bytes stay in flight for small pages.
+
+    With layer-major extents one layer of a restore is one contiguous range, so one buffer
+    holds (at least) one layer and the two buffers of a window two layers (paper §3.3).
+    """
+    return max(_align_up(max_pages_per_restore * chunk_bytes) + 2 * ALIGN, MIN_AUTO_STAGING_BYTES)
+
+
+@dataclass(eq=False)
+class _Batch:
+    """In-flight state of one staging batch (internal)."""
+
+    batch: list
+    buf: object
+    layout: object
+    pieces: list = field(default_factory=list)
+    owned: dict = field(default_factory=dict)  # piece index -> [(buf start, buf end, chunk)]
+    rest: list = field(default_factory=list)  # [(buf start, buf end, chunk, first piece, n pieces)]
+    failed: list = field(default_factory=list)  # tags failed in workers (list.append is atomic)
+    futures: list = field(default_factory=list)  # scatter-pool jobs of this batch
+    used: int = 0
+    pending: object = None
+
+
+@dataclass(frozen=True)
+class RestoreReport:
+    """Outcome of one :meth:`RestoreEngine.restore` call.
+
+    Attributes:
+        failed_tags: tags of chunks NOT delivered (short read/EOF, EIO, missing file, checksum
+            mismatch); their slots were left untouched.
+        pages: distinct destination pages requested.
+        chunks: chunk descriptors requested.
+        merged_reads: aligned reads issued (the SSD read operations of this restore).
+        bytes_read: bytes requested from the SSD (Σ merged read lengths).
+        bytes_over_read: ``bytes_read`` minus the chunk bytes (bridged gaps, alignment slack).
+        read_s: wall seconds from the first read submitted to the last scatter finished.
+        engine: ``"posix"`` or ``"kvikio"``.
+        wait_s: seconds spent waiting for a free staging window.
+        batches: staging batches (pipeline steps) used.
+    """
+
+    failed_tags: frozenset[int]
+    pages: int
+    chunks: int
+    merged_reads: int
+    bytes_read: int
+    bytes_over_read: int
+    read_s: float
+    engine: str
+    wait_s: float = 0.0
+    batches: int = 0
+
+
+class RestoreEngine:
+    """FC-CIO read path: coalesced reads into a fixed double-buffered window, then scatter.
+
+    Args:
+        cfg: the ``cio`` section (engine, gap_bytes, max_io_bytes, io_workers, staging_bytes,
+            windows, scatter, verify_checksums).
+        path_of: maps an SSD pool file index to its path (files are fixed-size, never renamed).
+        direct_io: read with O_DIRECT (POSIX) / GDS-style direct reads; a filesystem that refuses
+            O_DIRECT is detected (probe on ``dirname(path_of(0))``, and again at open/read time)
+            and falls back to buffered reads with one log line.
+        chunk_bytes: bytes of one (page, layer) chunk; every :class:`ChunkRead` must have it.
+        max_pages_per_restore: pages one restore usually carries (SGLang: 128); sizes the
+            automatic staging buffer.
+        device: staging device: ``"cpu"`` (page-aligned host memory) or ``"cuda[:N]"`` (HBM,
+            registered with cuFile; needs the kvikio engine).
+
+    Attributes:
+        engine_name: ``"posix"`` or ``"kvikio"``, chosen by the start-up probe and logged once.
+        staging_bytes: bytes per staging buffer (two per window).
+        direct_io: whether reads currently bypass the page cache.
+        scatter_impl: ``"torch"`` or ``"triton"``.
+
+    Raises:
+        EngineUnavailableError: ``cfg.engine='kvikio'`` but kvikio cannot move bytes here, or a
+            CUDA staging device without a working kvikio.
+        ValueError: ``cfg.staging_bytes`` too small for one chunk (needs
+            ``align_up(chunk_bytes) + 4096``), or non-positive ``chunk_bytes``.
+    """
+
+    def __init__(
+        self,
+        cfg: CioConfig,
+        path_of: Callable[[int], str],
+        *,
+        direct_io: bool,
+        chunk_bytes: int,
+        max_pages_per_restore: int = 128,
+        device: str = "cpu",
+    ):
+        if chunk_bytes <= 0:
+            raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
+        self.cfg = cfg
+        self.chunk_bytes = int(chunk_bytes)
+        self.device = torch.device(device)
+        self._path_of = path_of
+        staging = cfg.staging_bytes or auto_staging_bytes(chunk_bytes, max(1, max_pages_per_restore))
+        need = _align_up(chunk_bytes) + ALIGN
+        if staging < need:
+            raise ValueError(
+                f"cio.staging_bytes={staging} cannot hold one chunk of {chunk_bytes} bytes "
+                f"with alignment slack (need >= {need})"
+            )
+        self.staging_bytes = staging
+        self.max_io_bytes = min(cfg.max_io_bytes, staging)
+        probe_dir = os.path.dirname(os.path.abspath(path_of(0)))
+        self.engine_name, why = select_engine(cfg.engine, probe_dir, str(self.device))
+        self.errors = ErrorLog()
+        self._engine: IoEngine
+        if self.engine_name == "kvikio":
+            self._engine = KvikioEngine(path_of, cfg.io_workers, errors=self.errors)
+        else:
+            dio = bool(direct_io)
+            if dio and not probe_direct_io(probe_dir):
+                log.warning("FC-CIO: %s refuses O_DIRECT; using buffered reads", probe_dir)
+                dio = False
+            self._engine = PosixEngine(path_of, cfg.io_workers, direct_io=dio, errors=self.errors)
+        try:
+            self._pool = StagingPool(cfg.windows, staging, str(self.device))
+        except Exception:
+            self._engine.close()
+            raise
+        self.scatter_impl = resolve_impl(cfg.scatter, self.device)
+        # POSIX workers verify + scatter the chunks of the piece they just read (host staging,
+        # torch/numpy copies: thread-safe, GIL released); otherwise the restore thread does it.
+        self._worker_scatter = self.engine_name == "posix" and self.scatter_impl == "torch"
+        # Those scatters run on a small pool (not in the I/O threads), so an I/O worker starts its
+        # next read at once instead of after copying the piece it just read.
+        self._scatter_pool = ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1)),
+                                                thread_name_prefix="fc-cio-scatter")
+        self._streams = None
+        if self.device.type == "cuda":
+            self._streams = [torch.cuda.Stream(self.device) for _ in range(cfg.windows)]
+        self._closed = False
+        self._close_lock = threading.Lock()
+        log.info(
+            "FC-CIO: engine=%s (%s), direct_io=%s, io_workers=%d, staging %d windows x 2 x %d bytes on %s, "
+            "scatter=%s, gap_bytes=%d, max_io_bytes=%d",
+            self.engine_name, why, self.direct_io, cfg.io_workers, cfg.windows, staging, self.device,
+            self.scatter_impl, cfg.gap_bytes, self.max_io_bytes,
+        )
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def direct_io(self) -> bool:
+        """Whether reads bypass the page cache (may turn False after an O_DIRECT refusal)."""
+        return self._engine.direct_io
+
+    @property
+    def staging_total_bytes(self) -> int:
+        """Staging memory held, in bytes (``2 × windows × staging_bytes``), fixed at start-up."""
+        return self._pool.total_bytes
+
+    @property
+    def window_waits(self) -> int:
+        """Restores that had to wait for a staging window so far."""
+        return self._pool.waits
+
+    # ------------------------------------------------------------------ restore
+    def _check(self, chunks: Sequence[ChunkRead], layout) -> None:
+        if layout.device.type != self.device.type:
+            raise ValueError(f"layout on {layout.device} but staging on {self.device}")
+        if layout.geometry.chunk_bytes != self.chunk_bytes:
+            raise ValueError(
+                f"layout chunk_bytes {layout.geometry.chunk_bytes} != engine chunk_bytes {self.chunk_bytes}"
+            )
+        L, N = layout.geometry.layers, layout.num_pages
+        for c in chunks:
+            if c.nbytes != self.chunk_bytes:
+                raise ValueError(f"chunk tag {c.tag}: nbytes {c.nbytes} != chunk_bytes {self.chunk_bytes}")
+            if not (0 <= c.page < N and 0 <= c.layer < L):
+                raise ValueError(f"chunk tag {c.tag}: page {c.page}/layer {c.layer} outside layout ({N} pages, {L} layers)")
+
+    def restore(self, chunks: Sequence[ChunkRead], layout) -> RestoreReport:
+        """Read ``chunks`` from SSD and scatter them into ``layout``.
+
+        Args:
+            chunks: descriptors (any order); each ``nbytes == chunk_bytes``.
+            layout: destination :class:`~flatcake.layout.KvPageLayout` (host pool on CPU staging,
+                device paged KV on CUDA staging).
+
+        Returns:
+            A :class:`RestoreReport`; the tags in ``failed_tags`` were not delivered.
+
+        Raises:
+            ValueError: a descriptor outside the layout, a wrong chunk size or a device mismatch
+                (programming errors; I/O faults never raise).
+            RuntimeError: the engine was closed.
+        """
+        if self._closed:
+            raise RuntimeError("RestoreEngine is closed")
+        self._check(chunks, layout)
+        if not chunks:
+            return RestoreReport(frozenset(), 0, 0, 0, 0, 0, 0.0, self.engine_name)
+        plan = plan_reads(chunks, gap_bytes=self.cfg.gap_bytes, max_io_bytes=self.max_io_bytes)
+        batches = batch_reads(plan.reads, self.staging_bytes)
+        t_wait = time.perf_counter()
+        win = self._pool.acquire()
+        t0 = time.perf_counter()
+        failed: set[int] = set()
+        pending = None
+        try:
+            pending = self._submit(batches[0], win, 0, layout)
+            for i in range(len(batches)):
+                nxt = None
+                if i + 1 < len(batches):
+                    nxt = self._submit(batches[i + 1], win, (i + 1) % 2, layout)
+                cur, pending = pending, nxt
+                self._finish_batch(cur, win, i % 2, layout, failed)
+            if self._streams is not None:
+                self._streams[win.index].synchronize()
+        finally:
+            if pending is not None:  # an exception left reads in flight: let them land first
+                pending.pending.wait()
+            if self._streams is not None:
+                self._streams[win.index].synchronize()
+            self._pool.release(win)
+        t1 = time.perf_counter()
+        return RestoreReport(
+            failed_tags=frozenset(failed),
+            pages=plan.pages,
+            chunks=plan.chunks,
+            merged_reads=len(plan.reads),
+            bytes_read=plan.bytes_read,
+            bytes_over_read=plan.bytes_over_read,
+            read_s=t1 - t0,
+            engine=self.engine_name,
+            wait_s=t0 - t_wait,
+            batches=len(batches),
+        )
+
+    def _submit(self, batch: list[MergedRead], win, b: int, layout):
+        """Start the reads of ``batch`` into buffer ``b`` of ``win``; returns the batch state.
+
+        Each chunk that lies wholly inside one I/O piece is *owned* by that piece: with the POSIX
+        engine on host staging, as soon as the piece is read its chunks are verified and scattered
+        on the scatter pool (overlapping the other reads, on every core), while the I/O worker
+        goes on to its next read. Chunks straddling two pieces, and every chunk on the kvikio/GPU
+        path, are handled by :meth:`_finish_batch`.
+        """
+        buf = win.buffers[b]
+        if win.events is not None:
+            win.events[b].synchronize()  # the previous scatter out of this buffer has finished
+        pieces: list[IoPiece] = []
+        st = _Batch(batch=batch, buf=buf, layout=layout)
+        pos = 0
+        for r in batch:
+            ps = split_pieces(r.file_index, r.offset, r.nbytes, pos, self.cfg.io_workers)
+            first = len(pieces)
+            pieces.extend(ps)
+            step = ps[0].nbytes
+            for pc in r.chunks:
+                b0 = pos + pc.offset_in_read
+                b1 = b0 + pc.chunk.nbytes
+                k = first + pc.offset_in_read // step
+                if self._worker_scatter and b1 <= pieces[k].buf_offset + pieces[k].nbytes:
+                    st.owned.setdefault(k, []).append((b0, b1, pc.chunk))
+                else:
+                    st.rest.append((b0, b1, pc.chunk, first, len(ps)))
+            pos += r.nbytes
+        st.pieces = pieces
+        st.used = pos
+        on_piece = (lambda k, res: st.futures.append(self._scatter_pool.submit(self._piece_done, st, k, res))) \
+            if st.owned else None
+        st.pending = self._engine.submit(pieces, buf, on_piece)
+        return st
+
+    def _accept(self, st: "_Batch", host, b0: int, b1: int, c: ChunkRead) -> bool:
+        """Checksum check of one fully read chunk (True when it may be scattered)."""
+        if not (self.cfg.verify_checksums and c.checksum is not None):
+            return True
+        if xxhash.xxh3_64_intdigest(host[b0:b1]) == c.checksum:
+            return True
+        self.errors.report("verify", "checksum", f"chunk tag {c.tag} (file {c.file_index} @ {c.offset})")
+        return False
+
+    def _short(self, c: ChunkRead, res) -> None:
+        if res.error == "EOF":
+            self.errors.report(
+                "read", "short read", f"file {c.file_index} ends before byte {c.offset + c.nbytes} (chunk tag {c.tag})"
+            )
+
+    def _piece_done(self, st: "_Batch", k: int, res) -> None:
+        """Worker-side: verify and scatter the chunks piece ``k`` owns, now that it was read."""
+        end = st.pieces[k].buf_offset + res.got
+        offs, pages, layers = [], [], []
+        for b0, b1, c in st.owned.get(k, ()):
+            if b1 > end:
+                st.failed.append(c.tag)
+                self._short(c, res)
+            elif self._accept(st, st.buf.array, b0, b1, c):
+                offs.append(b0)
+                pages.append(c.page)
+                layers.append(c.layer)
+            else:
+                st.failed.append(c.tag)
+        if offs:
+            scatter_chunks(
+                st.buf.tensor, torch.tensor(offs, dtype=torch.int64), st.layout,
+                torch.tensor(pages, dtype=torch.int64), torch.tensor(layers, dtype=torch.int64),
+                impl=self.scatter_impl,
+            )
+
+    def _finish_batch(self, st: "_Batch", win, b: int, layout, failed: set[int]) -> None:
+        """Wait for a batch's reads (and worker-side scatters); then, for the chunks no worker
+        owned, drop those not fully read or failing their checksum and scatter the rest."""
+        results = st.pending.wait()
+        if st.pending.callback_errors:
+            raise st.pending.callback_errors[0]
+        for f in st.futures:  # worker-side verify + scatter of this buffer
+            f.result()
+        failed.update(st.failed)
+        buf = st.buf
+        host = None
+        src_offs: list[int] = []
+        pages: list[int] = []
+        layers: list[int] = []
+        pieces = st.pieces
+        for b0, b1, c, first, n in st.rest:
+            short = [k for k in range(first, first + n)
+                     if pieces[k].buf_offset < b1 and pieces[k].buf_offset + pieces[k].nbytes > b0
+                     and pieces[k].buf_offset + results[k].got < min(b1, pieces[k].buf_offset + pieces[k].nbytes)]
+            if short:
+                failed.add(c.tag)
+                self._short(c, results[short[0]])
+                continue
+            if host is None and self.cfg.verify_checksums and c.checksum is not None:
+                host = buf.array if buf.array is not None else buf.tensor[: st.used].cpu().numpy()
+            if not self._accept(st, host, b0, b1, c):
+                failed.add(c.tag)
+                continue
+            src_offs.append(b0)
+            pages.append(c.page)
+            layers.append(c.layer)
+        if not src_offs:
+            return
+        args = (
+            buf.tensor,
+            torch.tensor(src_offs, dtype=torch.int64),
+            layout,
+            torch.tensor(pages, dtype=torch.int64),
+            torch.tensor(layers, dtype=torch.int64),
+        )
+        if self._streams is None:
+            scatter_chunks(*args, impl=self.scatter_impl)
+            return
+        stream = self._streams[win.index]
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            scatter_chunks(*args, impl=self.scatter_impl)
+            win.events[b].record(stream)
+
+    # ------------------------------------------------------------------ lifecycle
+    def forget_file(self, file_index: int) -> None:
+        """Close cached handles of ``file_index`` (call after deleting or replacing that file)."""
+        self._engine.forget_file(file_index)
+
+    def close(self) -> None:
+        """Stop the I/O workers, close file handles and free the staging windows. Idempotent."""
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._engine.close()
+        self._scatter_pool.shutdown(wait=True)
+        self._pool.close()
+
+    def __enter__(self) -> "RestoreEngine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+__all__ = [
+    "ChunkRead", "RestoreEngine", "RestoreReport", "EngineUnavailableError", "MIN_AUTO_STAGING_BYTES",
+    "auto_staging_bytes",
+]
