@@ -54,18 +54,23 @@ class ConfigError(ValueError):
     """Invalid FlatCake configuration; the message names the offending field."""
 
 
-def _below_high(low: float, info: ValidationInfo) -> float:
-    high = info.data.get("high_watermark")
-    if high is not None and low >= high:
-        raise ValueError(f"must be below high_watermark ({high})")
-    return low
-
-
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-class DramConfig(_Section):
+class _WatermarkSection(_Section):
+    """A medium reclaimed between ``high_watermark`` and ``low_watermark`` (fill fractions)."""
+
+    @field_validator("low_watermark", check_fields=False)
+    @classmethod
+    def _low_below_high(cls, v: float, info: ValidationInfo) -> float:
+        high = info.data.get("high_watermark")
+        if high is not None and v >= high:
+            raise ValueError(f"must be below high_watermark ({high})")
+        return v
+
+
+class DramConfig(_WatermarkSection):
     """DRAM medium (paper §3.1, FC-GVA medium 0): one region allocated at start-up."""
 
     capacity_bytes: int = Field(1 << 30, ge=0, description="bytes of the DRAM region")
@@ -80,13 +85,8 @@ class DramConfig(_Section):
             raise ValueError("must be below 2**48 (GVA offset field)")
         return v
 
-    @field_validator("low_watermark")
-    @classmethod
-    def _marks(cls, v: float, info: ValidationInfo) -> float:
-        return _below_high(v, info)
 
-
-class SsdConfig(_Section):
+class SsdConfig(_WatermarkSection):
     """SSD medium (paper §3.1/§3.3): a pool of preallocated single-extent files."""
 
     path: str = Field("/tmp/flatcake-ssd", description="directory of the file pool")
@@ -113,11 +113,6 @@ class SsdConfig(_Section):
         if fb is not None and fb * v >= 1 << 48:
             raise ValueError("max_files * file_bytes must be below 2**48 (GVA offset field)")
         return v
-
-    @field_validator("low_watermark")
-    @classmethod
-    def _marks(cls, v: float, info: ValidationInfo) -> float:
-        return _below_high(v, info)
 
 
 class PlacementConfig(_Section):
