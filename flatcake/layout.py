@@ -220,16 +220,25 @@ class KvPageLayout:
             page_ids: int64 ``[n]`` page indices in this buffer (slot // page_size).
             layer: layer index.
             out: uint8 ``[n, chunk_bytes]`` (rows contiguous), on this layout's device.
+
+        One strided copy per (page, plane): torch's advanced indexing on these strided views
+        runs at ~0.1-0.2 GB/s on CPU, a per-page ``copy_`` at memory speed.
         """
         g = self.geometry
-        for (t, off, rb) in zip(self.layer_planes(layer), g.plane_offsets(), g.plane_row_bytes):
-            out[:, off : off + g.page_size * rb].view(-1, g.page_size, rb).copy_(t[page_ids])
+        ids = page_ids.tolist() if isinstance(page_ids, torch.Tensor) else list(page_ids)
+        for t, off, rb in zip(self.layer_planes(layer), g.plane_offsets(), g.plane_row_bytes):
+            dst = out[:, off : off + g.page_size * rb].view(-1, g.page_size, rb)
+            for i, p in enumerate(ids):
+                dst[i].copy_(t[p])
 
     def scatter_chunks(self, src: torch.Tensor, page_ids: torch.Tensor, layer: int) -> None:
         """Inverse of :meth:`gather_chunks`: ``src`` uint8 ``[n, chunk_bytes]`` into the slots."""
         g = self.geometry
-        for (t, off, rb) in zip(self.layer_planes(layer), g.plane_offsets(), g.plane_row_bytes):
-            t[page_ids] = src[:, off : off + g.page_size * rb].reshape(-1, g.page_size, rb)
+        ids = page_ids.tolist() if isinstance(page_ids, torch.Tensor) else list(page_ids)
+        for t, off, rb in zip(self.layer_planes(layer), g.plane_offsets(), g.plane_row_bytes):
+            s = src[:, off : off + g.page_size * rb]
+            for i, p in enumerate(ids):
+                t[p].copy_(s[i].view(g.page_size, rb))
 
 
 def _is_mla_pool(pool, kv: torch.Tensor) -> bool:
