@@ -57,6 +57,35 @@ from flatcake.media.ssd import AlignedBuffer, Extent, SsdFilePool
 log = logging.getLogger("flatcake.store")
 
 
+class _Gate:
+    """Counts operations in flight so :meth:`PageStore.close` can wait for them; after close
+    every new operation is refused (a miss / failed put), never an exception."""
+
+    def __init__(self):
+        self._cv = threading.Condition()
+        self._n = 0
+        self.closed = False
+
+    def enter(self) -> bool:
+        with self._cv:
+            if self.closed:
+                return False
+            self._n += 1
+            return True
+
+    def exit(self) -> None:
+        with self._cv:
+            self._n -= 1
+            if self._n == 0:
+                self._cv.notify_all()
+
+    def close(self, timeout_s: float) -> bool:
+        """Refuse new operations; wait up to ``timeout_s`` seconds for running ones."""
+        with self._cv:
+            self.closed = True
+            return self._cv.wait_for(lambda: self._n == 0, timeout_s)
+
+
 class _ErrorLog:
     """Log each distinct (operation, errno) once; count all."""
 
@@ -157,7 +186,7 @@ class PageStore:
             restore_engine = RestoreEngine(cfg.cio, self.ssd.path_of, direct_io=self.ssd.direct_io, chunk_bytes=cb)
         self.cio = restore_engine
         self._tls = threading.local()
-        self._closed = False
+        self._gate = _Gate()
 
     # ================================================================ queries
     def exists(self, key: str) -> bool:
@@ -166,7 +195,9 @@ class PageStore:
 
     def leading_run(self, keys: Sequence[str], prefix_keys: Optional[Sequence[str]] = None) -> int:
         """Length of the leading run of stored keys (SGLang's hit query). Lock-free; also feeds
-        the placement signals (turns, prefix reference counts). Never raises."""
+        the placement signals (turns, prefix reference counts). 0 once closed. Never raises."""
+        if self._gate.closed:
+            return 0
         get = self.index.get
         n = 0
         for k in keys:
@@ -186,6 +217,16 @@ class PageStore:
 
     # ================================================================ reads
     def get(self, keys: Sequence[str], layout: KvPageLayout, page_ids: Sequence[int]) -> list[bool]:
+        """Read pages ``keys[i]`` into page ``page_ids[i]`` of ``layout`` (see :meth:`_get`);
+        all misses once the store is closed."""
+        if not self._gate.enter():
+            return [False] * len(keys)
+        try:
+            return self._get(keys, layout, page_ids)
+        finally:
+            self._gate.exit()
+
+    def _get(self, keys: Sequence[str], layout: KvPageLayout, page_ids: Sequence[int]) -> list[bool]:
         """Read pages ``keys[i]`` into page ``page_ids[i]`` of ``layout``.
 
         Returns:
@@ -270,6 +311,15 @@ class PageStore:
 
     # ================================================================ writes
     def put(self, keys: Sequence[str], layout: KvPageLayout, page_ids: Sequence[int], prefix_keys: Optional[Sequence[str]] = None) -> list[bool]:
+        """Store pages (see :meth:`_put`); all ``False`` once the store is closed."""
+        if not self._gate.enter():
+            return [False] * len(keys)
+        try:
+            return self._put(keys, layout, page_ids, prefix_keys)
+        finally:
+            self._gate.exit()
+
+    def _put(self, keys: Sequence[str], layout: KvPageLayout, page_ids: Sequence[int], prefix_keys: Optional[Sequence[str]] = None) -> list[bool]:
         """Store pages ``keys[i]`` taken from page ``page_ids[i]`` of ``layout``.
 
         Keys already stored are skipped (reported True). Returns per-page success; a failed
@@ -529,37 +579,36 @@ class PageStore:
         """Retire, unpublish and free the least recently used scope of ``medium`` that nobody
         pins (a reader or writer inside it is never freed under it). False if none can go."""
         for scope in self.index.oldest_scopes_locked(medium):
-            if scope is exclude or not scope.try_retire():
-                continue
-            self.index.unpublish_scope_locked(scope)
-            if medium == MEDIUM_SSD:
-                for ext in scope.extents:
-                    self.ssd.free_locked(ext)
-            else:
-                self.dram.free_locked(scope.slots)
-            with self._stats_lock:
-                if medium == MEDIUM_SSD:
-                    self.stats.reclaimed_scopes_ssd += 1
-                else:
-                    self.stats.reclaimed_scopes_dram += 1
-                self.stats.reclaimed_bytes += scope.nbytes
-            return True
+            if scope is not exclude and self._free_scope_locked(scope):
+                return True
         return False
+
+    def _free_scope_locked(self, scope: SessionScope) -> bool:
+        """Retire ``scope`` if unpinned, then unpublish its keys and free its space (whole)."""
+        if not scope.try_retire():
+            return False
+        self.index.unpublish_scope_locked(scope)
+        if scope.medium == MEDIUM_SSD:
+            for ext in scope.extents:
+                self.ssd.free_locked(ext)
+        else:
+            self.dram.free_locked(scope.slots)
+        with self._stats_lock:
+            if scope.medium == MEDIUM_SSD:
+                self.stats.reclaimed_scopes_ssd += 1
+            else:
+                self.stats.reclaimed_scopes_dram += 1
+            self.stats.reclaimed_bytes += scope.nbytes
+        return True
 
     # ================================================================ admin
     def clear(self) -> None:
         """Forget every page not pinned by a reader (SGLang's ``/hicache/storage-backend/clear``):
         each unpinned scope is retired, unpublished and its space freed; a scope a reader holds
-        stays until a later clear or reclaim."""
+        stays until a later clear or reclaim. Counted as reclaimed scopes."""
         with self.index.lock:
             for scope in list(self.index.scopes.values()):
-                if scope.try_retire():
-                    self.index.unpublish_scope_locked(scope)
-                    if scope.medium == MEDIUM_SSD:
-                        for ext in scope.extents:
-                            self.ssd.free_locked(ext)
-                    else:
-                        self.dram.free_locked(scope.slots)
+                self._free_scope_locked(scope)
 
     def snapshot_stats(self) -> dict:
         """Counters as a plain dict (bytes, pages, ops, seconds) plus current usage."""
@@ -575,13 +624,15 @@ class PageStore:
         )
         return d
 
-    def close(self) -> None:
-        """Release files, staging and pinned memory. Idempotent."""
-        if self._closed:
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Refuse new operations, wait up to ``timeout_s`` seconds for running ones, then
+        release staging, files and pinned memory. Idempotent; never raises."""
+        if self._gate.closed:
             return
-        self._closed = True
-        try:
-            self.cio.close()
-        finally:
-            self.ssd.close()
-            self.dram.close()
+        if not self._gate.close(timeout_s):
+            log.warning("flatcake close: operations still running after %.0f s; closing anyway", timeout_s)
+        for part in (self.cio, self.ssd, self.dram):
+            try:
+                part.close()
+            except Exception as e:  # best effort at shutdown
+                log.warning("flatcake close: %s: %s", type(part).__name__, e)

@@ -296,3 +296,50 @@ def test_get_stats_reports_pages_per_call_and_drains(make_backend, monkeypatch):
     assert len(m.backup_bandwidth) == 1 and m.backup_bandwidth[0] > 0
     m2 = be.get_stats()
     assert (m2.backup_pgs, m2.prefetch_pgs, m2.prefetch_bandwidth) == ([], [], [])
+
+
+def test_clear_forgets_unpinned_scopes_and_frees_their_space(make_backend):
+    be, pool = make_backend()
+    _write(be, pool, ["a0", "a1"], [0, 1])
+    _write(be, pool, ["b0"], [2])
+    held = be.store.index.get("b0").scope
+    held.try_acquire()
+    be.clear()
+    assert be.batch_exists(["a0", "a1"]) == 0 and be.batch_exists(["b0"]) == 1
+    held.release()
+    be.clear()
+    assert be.batch_exists(["b0"]) == 0
+    assert be.store.ssd.used_bytes == 0 and len(be.store.index) == 0
+
+
+def test_calls_after_close_are_misses_not_errors(make_backend):
+    be, pool = make_backend()
+    _write(be, pool, ["z0"], [0])
+    be.close()
+    assert be.batch_exists(["z0"]) == 0
+    assert be.batch_get_v1(["z0"], slots_of(pool, [1])) == [False]
+    assert be.batch_set_v1(["z1"], slots_of(pool, [1])) == [False]
+    be.close()  # idempotent
+
+
+def test_close_waits_for_a_running_read(make_backend):
+    be, pool = make_backend()
+    _write(be, pool, ["w0", "w1"], [0, 1])
+    started, results = threading.Event(), []
+    real = be.store.cio.restore
+
+    def slow_restore(*a, **k):
+        started.set()
+        import time
+
+        time.sleep(0.3)
+        return real(*a, **k)
+
+    be.store.cio.restore = slow_restore
+    t = threading.Thread(target=lambda: results.append(be.batch_get_v1(["w0", "w1"], slots_of(pool, [4, 5]))))
+    t.start()
+    started.wait(5)
+    be.close()
+    t.join(10)
+    assert results == [[True, True]]
+    assert page_matches(pool, 4 * pool.page_size, "w0")
