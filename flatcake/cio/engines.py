@@ -42,8 +42,11 @@ from flatcake.cio.staging import StagingBuffer, aligned_host_buffer
 
 log = logging.getLogger(__name__)
 
-#: Smallest piece a merged read is cut into for worker parallelism (bytes).
-MIN_PIECE_BYTES = 1 << 20
+#: Smallest piece a merged read is cut into for worker parallelism (bytes). Large pieces mean
+#: fewer worker wake-ups between requests: restoring 1 GiB of layer-major extents with reads
+#: only (no scatter) ran at a median 1.43 GB/s with 1 MiB pieces and 1.67 GB/s with 8 MiB
+#: pieces on the dev machine (3 interleaved runs each).
+MIN_PIECE_BYTES = 8 << 20
 
 
 class EngineUnavailableError(RuntimeError):
@@ -152,18 +155,22 @@ class PendingIo:
         """Block until every piece finished (and its ``on_piece`` callback ran); returns the
         results in submission order."""
         if self._waiter is not None:
-            self._waiter(self)
-            self._waiter = None
+            waiter, self._waiter = self._waiter, None
+            try:
+                waiter(self)
+            finally:
+                self._latch = _Latch(0)  # collected: later waits return at once
         else:
             self._latch.wait()
         return self.results
 
 
 def split_pieces(file_index: int, offset: int, nbytes: int, buf_offset: int, workers: int) -> list[IoPiece]:
-    """Cut one merged read into at most ``workers`` aligned pieces of at least 1 MiB.
+    """Cut one merged read into at most ``workers`` aligned pieces of at least
+    :data:`MIN_PIECE_BYTES` (read at call time).
 
-    A single merged read (e.g. one layer's extent) would otherwise keep one worker busy while
-    the others idle; a few MiB-sized pieces in flight keep the SSD's queue full, as kvikio's
+    A single merged read (e.g. several layers' extents) would otherwise keep one worker busy
+    while the others idle; a few large pieces in flight keep the SSD's queue full, as kvikio's
     ``task_size`` does. Returns one piece when the read is small.
     """
     n = max(1, min(workers, nbytes // MIN_PIECE_BYTES))

@@ -36,7 +36,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence
+from typing import Callable, Sequence
 
 import torch
 import xxhash
@@ -64,10 +64,11 @@ def _align_up(x: int, a: int = ALIGN) -> int:
     return -(-x // a) * a
 
 
-#: Floor of the automatic staging buffer size (bytes). Measured on the dev machine's virtual
-#: disk (docs/performance.md): with 4 MiB buffers (one layer of 128 small pages) only ~8 MiB is
-#: ever in flight and restores reach ~0.8x a 16 MiB sequential read; 16 MiB buffers reach ~0.85-0.9x.
-MIN_AUTO_STAGING_BYTES = 16 << 20
+#: Floor of the automatic staging buffer size (bytes). With small pages one layer of 128 pages
+#: is only a few MiB, and two such buffers keep too few bytes in flight: on the dev machine's
+#: disk a 1 GiB restore of 32 KiB chunks ran at a median 1.11 GB/s with 16 MiB buffers and
+#: 1.30 GB/s with 32 MiB buffers (4 interleaved runs each; docs/performance.md).
+MIN_AUTO_STAGING_BYTES = 32 << 20
 
 
 def auto_staging_bytes(chunk_bytes: int, max_pages_per_restore: int) -> int:
@@ -276,7 +277,7 @@ class RestoreEngine:
         win = self._pool.acquire()
         t0 = time.perf_counter()
         failed: set[int] = set()
-        pending = None
+        pending = cur = None
         try:
             pending = self._submit(batches[0], win, 0, layout)
             for i in range(len(batches)):
@@ -285,11 +286,15 @@ class RestoreEngine:
                     nxt = self._submit(batches[i + 1], win, (i + 1) % 2, layout)
                 cur, pending = pending, nxt
                 self._finish_batch(cur, win, i % 2, layout, failed)
+                cur = None
             if self._streams is not None:
                 self._streams[win.index].synchronize()
         finally:
-            if pending is not None:  # an exception left reads in flight: let them land first
-                pending.pending.wait()
+            for st in (cur, pending):  # an exception left work in flight: let it end first
+                if st is not None:
+                    st.pending.wait()
+                    for f in st.futures:
+                        f.exception()  # waits; that error, if any, is not the one being raised
             if self._streams is not None:
                 self._streams[win.index].synchronize()
             self._pool.release(win)

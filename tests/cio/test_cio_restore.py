@@ -275,12 +275,12 @@ def test_auto_staging_size_alignment_and_empty_restore(ext4_dir):
     _, lay = make_pool("mha", "page_first", pages=N)
     cb = lay.geometry.chunk_bytes
     # one layer of 128 pages plus two 4 KiB blocks of slack, at least MIN_AUTO_STAGING_BYTES
-    assert auto_staging_bytes(256 << 10, 128) == (32 << 20) + 8192
-    assert auto_staging_bytes(cb, 128) == MIN_AUTO_STAGING_BYTES == 16 << 20
+    assert auto_staging_bytes(512 << 10, 128) == (64 << 20) + 8192
+    assert auto_staging_bytes(cb, 128) == MIN_AUTO_STAGING_BYTES == 32 << 20
     eng = RestoreEngine(CioConfig(windows=3, io_workers=1), path_fn(ext4_dir), direct_io=False, chunk_bytes=cb)
     try:
-        assert eng.staging_bytes == 16 << 20
-        assert eng.staging_total_bytes == 3 * 2 * (16 << 20)
+        assert eng.staging_bytes == 32 << 20
+        assert eng.staging_total_bytes == 3 * 2 * (32 << 20)
         assert eng.engine_name == "posix"  # no CUDA driver on this machine
         for w in eng._pool._windows:
             assert [b.tensor.data_ptr() % 4096 for b in w.buffers] == [0, 0]
