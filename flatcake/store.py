@@ -45,16 +45,29 @@ import numpy as np
 import torch
 import xxhash
 
-from flatcake.config import FlatCakeConfig
+from flatcake.config import ConfigError, FlatCakeConfig
+from flatcake.gva.journal import RETIRE, ROUND, JournalEntry, JournalReader, JournalWriter
 from flatcake.gva.address import MEDIUM_DRAM, MEDIUM_SSD, decode_gva, encode_gva
 from flatcake.gva.index import GvaIndex, InterestCounter, PageEntry, SessionScope
 from flatcake.gva.placement import PlacementPolicy, PlacementSignals, ReuseScope
 from flatcake.layout import KvPageLayout, PageGeometry
 from flatcake.media import extent as fmt
 from flatcake.media.dram import DramRegion
-from flatcake.media.ssd import AlignedBuffer, Extent, SsdFilePool
+from flatcake.media.ssd import AlignedBuffer, Extent, PoolFileGone, SsdFilePool
 
 log = logging.getLogger("flatcake.store")
+
+
+MAX_KEY_BYTES = 4096  # bytes of UTF-8 per page key (SGLang's are 64 hex characters)
+
+
+def _valid_key(k) -> bool:
+    if not isinstance(k, str) or not k:
+        return False
+    try:
+        return len(k.encode()) <= MAX_KEY_BYTES
+    except UnicodeEncodeError:
+        return False
 
 
 class _Gate:
@@ -157,8 +170,14 @@ class PageStore:
         ValueError: ``ssd.file_bytes`` too small to hold one page.
     """
 
-    def __init__(self, cfg: FlatCakeConfig, geometry: PageGeometry, namespace: str, restore_engine=None):
+    def __init__(self, cfg: FlatCakeConfig, geometry: PageGeometry, namespace: str, restore_engine=None,
+                 *, instance: str = "", role: str = "single"):
+        if role not in ("single", "writer", "follower"):
+            raise ValueError(f"role must be single, writer or follower, got {role!r}")
+        if role == "follower":  # another process writes these files: always check what we read
+            cfg = cfg.model_copy(update={"cio": cfg.cio.model_copy(update={"verify_checksums": True})})
         self.cfg = cfg
+        self.role = role
         self.geometry = geometry
         self.namespace = namespace
         self.node = cfg.node_id
@@ -168,18 +187,30 @@ class PageStore:
         self.stats = StoreStats()
         self._stats_lock = threading.Lock()
         self.errors = _ErrorLog()
-        self.dram = DramRegion(cfg.dram, geometry.page_bytes)
-        self.ssd = SsdFilePool(cfg.ssd, namespace)
+        dram_cfg = cfg.dram
+        if role != "single" and dram_cfg.capacity_bytes:
+            # DRAM pages live in this process only; ranks that share pages need them on SSD
+            log.warning("flatcake: DRAM medium off: pages are shared with other TP ranks through SSD")
+            dram_cfg = dram_cfg.model_copy(update={"capacity_bytes": 0})
+        try:
+            self.dram = DramRegion(dram_cfg, geometry.page_bytes)
+        except RuntimeError as e:
+            raise ConfigError(f"dram.capacity_bytes: cannot allocate {dram_cfg.capacity_bytes} bytes: {e}") from None
+        self.ssd = SsdFilePool(cfg.ssd, namespace, instance, follower=role == "follower")
         cb = geometry.chunk_bytes
         room = cfg.ssd.file_bytes - 2 * fmt.BLOCK
         n = 128
         while n > 0 and fmt.align_up(n * geometry.page_bytes) + fmt.align_up(fmt.record_size(["k" * 80] * n, geometry.layers)) > room - fmt.BLOCK:
             n //= 2
         if n == 0:
-            raise ValueError(
-                f"ssd.file_bytes {cfg.ssd.file_bytes} cannot hold one page of {geometry.page_bytes} bytes plus headers"
+            self.ssd.close()
+            raise ConfigError(
+                f"ssd.file_bytes: {cfg.ssd.file_bytes} bytes cannot hold one page of {geometry.page_bytes} bytes plus headers"
             )
         self.max_round_pages = n
+        self.journal = JournalWriter(self.ssd.journal_path) if role == "writer" else None
+        self._journal_reader = JournalReader(self.ssd.journal_path) if role == "follower" else None
+        self._mirror: dict[int, SessionScope] = {}
         if restore_engine is None:
             from flatcake.cio.restore import RestoreEngine
 
@@ -198,6 +229,7 @@ class PageStore:
         the placement signals (turns, prefix reference counts). 0 once closed. Never raises."""
         if self._gate.closed:
             return 0
+        self._sync()
         get = self.index.get
         n = 0
         for k in keys:
@@ -222,6 +254,7 @@ class PageStore:
         if not self._gate.enter():
             return [False] * len(keys)
         try:
+            self._sync()
             return self._get(keys, layout, page_ids)
         finally:
             self._gate.exit()
@@ -236,6 +269,7 @@ class PageStore:
         """
         out = [False] * len(keys)
         pinned: list[SessionScope] = []
+        unreadable: Optional[SessionScope] = None
         try:
             entries = []
             for k in keys:
@@ -272,6 +306,8 @@ class PageStore:
                 self.stats.logical_read_bytes_ssd += s * g.page_bytes
                 if bad < n:
                     self.stats.get_failures += 1
+            if bad < n:
+                unreadable = entries[bad].scope
             return out
         except Exception as e:
             self.errors("get", e)
@@ -279,26 +315,132 @@ class PageStore:
         finally:
             for s in pinned:
                 s.release()
+            if unreadable is not None:
+                self._drop_unreadable(unreadable)
+
+    # ================================================================ sharing with follower ranks
+    def _journal(self, e: JournalEntry) -> None:
+        try:
+            self.journal.append(e)
+        except OSError as err:
+            self.errors("journal append", err)
+
+    def _sync(self) -> None:
+        """Follower: mirror the rounds the writer published since the last call and drop the
+        scopes it retired (see :mod:`flatcake.gva.journal`). One ``stat`` when nothing is new."""
+        r = self._journal_reader
+        if r is None:
+            return
+        try:
+            with self.index.lock:
+                restarted, entries = r.poll()
+                if restarted:
+                    for scope in list(self._mirror.values()):
+                        self._forget_mirror_locked(scope)
+                    self._mirror.clear()
+                for e in entries:
+                    if e.kind == ROUND:
+                        self._mirror_round_locked(e)
+                    elif e.kind == RETIRE and e.scope_id in self._mirror:
+                        self._forget_mirror_locked(self._mirror.pop(e.scope_id))
+        except Exception as err:  # never into SGLang: the follower just sees fewer pages
+            self.errors("journal sync", err)
+
+    def _forget_mirror_locked(self, scope: SessionScope) -> None:
+        scope.force_retire()
+        self.index.unpublish_scope_locked(scope)
+
+    def _mirror_round_locked(self, e: JournalEntry) -> None:
+        g = self.geometry
+        try:
+            parsed = fmt.unpack_round_header(self.ssd.read_at(e.file_index, e.round_offset, fmt.BLOCK))
+            if parsed is None:
+                return
+            lay, _, _ = parsed
+            if (lay.layers, lay.chunk_bytes) != (g.layers, g.chunk_bytes):
+                return
+            rec = fmt.unpack_record(self.ssd.read_at(e.file_index, e.round_offset + lay.record_offset, lay.record_bytes))
+        except OSError as err:
+            self.errors("journal round read", err)
+            return
+        if rec is None or rec.ns_digest != fmt.namespace_digest(self.namespace) or len(rec.keys) != lay.n_pages:
+            return
+        scope = self._mirror.get(e.scope_id)
+        if scope is None:
+            scope = self._mirror[e.scope_id] = self.index.open_scope_locked(MEDIUM_SSD, ReuseScope.ONE_SHOT)
+        n, cb = lay.n_pages, g.chunk_bytes
+        base = e.file_index * self.cfg.ssd.file_bytes + e.round_offset + fmt.BLOCK
+        self.index.publish_locked(
+            rec.keys,
+            [PageEntry(encode_gva(MEDIUM_SSD, self.node, base + p * cb), scope, n * cb, rec.checksums[:, p].copy()) for p in range(n)],
+        )
+        self.index.set_tail_locked(scope, rec.keys[-1])
+
+    def _drop_pool_file(self, file_index: int) -> None:
+        """Pool file ``file_index`` was removed behind the backend: drop every scope with an
+        extent in it (their pages are gone) and start the file afresh."""
+        with self.index.lock:
+            for scope in [s for s in self.index.scopes.values() if any(x.file_index == file_index for x in s.extents)]:
+                if not self._free_scope_locked(scope):
+                    # a reader pins it: hide its keys now; reclaim frees its other extents later
+                    self.index.hide_scope_locked(scope)
+                    gone = [x for x in scope.extents if x.file_index == file_index]
+                    scope.extents = [x for x in scope.extents if x.file_index != file_index]
+                    scope.nbytes -= sum(x.nbytes for x in gone)
+            try:
+                self.ssd.reset_file_locked(file_index)
+            except OSError as e:
+                self.errors("pool file reset", e)
+        log.warning("flatcake: pool file %s was removed behind the backend; its scopes were dropped", self.ssd.path_of(file_index))
+
+    def _drop_unreadable(self, scope: SessionScope) -> None:
+        """A page of ``scope`` could not be read intact (file truncated or removed behind the
+        backend, EIO, checksum mismatch): stop advertising the whole scope, so hit queries stop
+        promising pages that every read would miss. Skipped while another reader pins it."""
+        with self.index.lock:
+            if self._free_scope_locked(scope):
+                log.warning("flatcake: dropped scope %d (%d pages) after a failed read", scope.scope_id, len(scope.keys))
 
     def _read_ssd(self, entries, ssd_pos, layout, page_ids) -> int:
-        """Restore SSD pages; returns the first position (in ``entries``) that failed, or len."""
-        from flatcake.cio.plan import ChunkRead
+        """Restore SSD pages; returns the first position (in ``entries``) that failed, or len.
+
+        Builds the restore's :class:`~flatcake.cio.plan.ChunkBatch` with numpy, layer-major
+        (all pages of layer 0, then layer 1, ...): chunk (page ``i``, layer ``l``) is at byte
+        ``offset_i + l * layer_stride_i`` of file ``file_i``, tag ``i`` (position in ``entries``),
+        checksum ``entries[i].checksums[l]`` when verification is on. No per-chunk objects.
+        """
+        from flatcake.cio.plan import ChunkBatch
+        from flatcake.gva.address import OFFSET_MASK
 
         g = self.geometry
         fb = self.cfg.ssd.file_bytes
         verify = self.cfg.cio.verify_checksums
-        chunks = []
-        for i in ssd_pos:
-            e = entries[i]
-            off = decode_gva(e.gva).offset
-            f, o = divmod(off, fb)
-            dst = int(page_ids[i])
-            sums = e.checksums
-            for layer in range(g.layers):
-                chunks.append(
-                    ChunkRead(f, o + layer * e.layer_stride, g.chunk_bytes, dst, layer, i,
-                              int(sums[layer]) if (verify and sums is not None) else None)
-                )
+        m, L = len(ssd_pos), g.layers
+        pos = np.asarray(ssd_pos, dtype=np.int64)
+        es = [entries[i] for i in ssd_pos]
+        off = np.fromiter((e.gva & OFFSET_MASK for e in es), dtype=np.int64, count=m)
+        stride = np.fromiter((e.layer_stride for e in es), dtype=np.int64, count=m)
+        if isinstance(page_ids, torch.Tensor):
+            dst = page_ids.detach().to("cpu", torch.int64).numpy()[pos]
+        else:
+            dst = np.fromiter((int(page_ids[i]) for i in ssd_pos), dtype=np.int64, count=m)
+        f, o = np.divmod(off, fb)
+        lay = np.arange(L, dtype=np.int64)
+        # [L, m] grids flattened layer-major
+        offsets = (o[None, :] + lay[:, None] * stride[None, :]).reshape(-1)
+        sums = has = None
+        if verify:
+            has_page = np.fromiter((e.checksums is not None for e in es), dtype=bool, count=m)
+            sums = np.zeros((L, m), dtype=np.uint64)
+            for j in np.flatnonzero(has_page).tolist():
+                sums[:, j] = np.asarray(es[j].checksums, dtype=np.uint64)[:L]
+            sums = sums.reshape(-1)
+            has = np.broadcast_to(has_page[None, :], (L, m)).reshape(-1)
+        chunks = ChunkBatch(
+            np.broadcast_to(f, (L, m)).reshape(-1), offsets, np.broadcast_to(dst, (L, m)).reshape(-1),
+            np.repeat(lay, m), np.broadcast_to(pos, (L, m)).reshape(-1), g.chunk_bytes,
+            checksum=sums, has_checksum=has if verify else np.zeros(L * m, dtype=bool),
+        )
         rep = self.cio.restore(chunks, layout)
         with self._stats_lock:
             st = self.stats
@@ -327,11 +469,15 @@ class PageStore:
         """
         out = [False] * len(keys)
         try:
-            todo, parent = [], None
+            todo, parent, seen = [], None, set()
             for i, k in enumerate(keys):
-                if self.index.contains(k):
+                if not _valid_key(k):
+                    self.errors("put", ValueError(f"invalid page key {str(k)[:80]!r} (need a str of 1..{MAX_KEY_BYTES} UTF-8 bytes)"))
+                    break  # the pages after an unusable key cannot be chained to it
+                if k in seen or self.index.contains(k):  # same key = same page bytes (chained hash)
                     out[i] = True
                     continue
+                seen.add(k)
                 if not todo:
                     parent = keys[i - 1] if i > 0 else (prefix_keys[-1] if prefix_keys else None)
                 todo.append(i)
@@ -356,7 +502,7 @@ class PageStore:
         g = self.geometry
         n = len(keys)
         with self.index.lock:
-            plc = self._place_locked(keys, src_pages, parent, context_tokens)
+            plc = self._place_locked(keys, src_pages, parent, context_tokens)  # pins plc.scope
         if plc is None:
             with self._stats_lock:
                 self.stats.put_failures += 1
@@ -374,6 +520,8 @@ class PageStore:
                     self.dram.free_locked(plc.slots)
                     scope.nbytes -= len(plc.slots) * g.page_bytes
             scope.release()
+            if isinstance(e, PoolFileGone):
+                self._drop_pool_file(plc.extent_file)
             with self._stats_lock:
                 self.stats.put_failures += 1
             return False
@@ -382,6 +530,8 @@ class PageStore:
             if scope.tail_key is None or scope.tail_key == parent:  # appended at the tail
                 self.index.set_tail_locked(scope, keys[-1])
             scope.cur_turn_tokens += n * g.page_size
+        if self.journal is not None and plc.slots is None:
+            self._journal(JournalEntry(ROUND, scope.scope_id, plc.extent_file, plc.round_offset))
         scope.release()
         with self._stats_lock:
             self.stats.logical_write_bytes += n * g.page_bytes
@@ -437,7 +587,13 @@ class PageStore:
                 scope.nbytes += n * g.page_bytes
                 return _Placement(scope, list(keys), src_pages, slots=slots)
         lay = fmt.round_layout(keys, g.layers, g.chunk_bytes)
-        where = self._ssd_space_locked(scope, lay.total_bytes)
+        where = None
+        if lay.total_bytes + fmt.BLOCK <= self.ssd.file_bytes:  # else no extent could ever hold it
+            try:
+                where = self._ssd_space_locked(scope, lay.total_bytes)
+            except BaseException:
+                scope.release()
+                raise
         if where is None:
             scope.release()
             if not scope.keys and not scope.extents:
@@ -481,6 +637,8 @@ class PageStore:
         except OSError as e:
             self.errors("extent header write", e)
             self.ssd.free_locked(ext)
+            if isinstance(e, PoolFileGone):
+                self._drop_pool_file(ext.file_index)
             return None
         scope.extents.append(ext)
         scope.nbytes += ext.nbytes
@@ -588,6 +746,8 @@ class PageStore:
         if not scope.try_retire():
             return False
         self.index.unpublish_scope_locked(scope)
+        if self.journal is not None and scope.medium == MEDIUM_SSD:
+            self._journal(JournalEntry(RETIRE, scope.scope_id))
         if scope.medium == MEDIUM_SSD:
             for ext in scope.extents:
                 self.ssd.free_locked(ext)
@@ -630,8 +790,13 @@ class PageStore:
         if self._gate.closed:
             return
         if not self._gate.close(timeout_s):
-            log.warning("flatcake close: operations still running after %.0f s; closing anyway", timeout_s)
-        for part in (self.cio, self.ssd, self.dram):
+            # Tearing the I/O engine down under a running read could strand it; leave the
+            # engine's daemon threads and the files to process exit instead.
+            log.warning("flatcake close: operations still running after %.0f s; leaving I/O resources to exit", timeout_s)
+            return
+        for part in (self.cio, self.ssd, self.dram, self.journal, self._journal_reader):
+            if part is None:
+                continue
             try:
                 part.close()
             except Exception as e:  # best effort at shutdown

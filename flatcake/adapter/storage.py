@@ -119,10 +119,17 @@ class FlatCakeStorage(HiCacheStorage):
                 self.store.close()
             self.layout = layout
             self.namespace = make_namespace(self.storage_config, mem_pool_host, layout)
-            self.store = PageStore(self.cfg, layout.geometry, self.namespace)
+            sc = self.storage_config
+            # MLA KV is replicated over TP ranks and only the writer rank stores it; the other
+            # ranks follow the writer's pool through its scope journal (flatcake.gva.journal).
+            shared = bool(sc and sc.is_mla_model and sc.tp_size > 1)
+            role = ("writer" if self.is_writer else "follower") if shared else "single"
+            # attention-DP replicas share namespace and ranks but not pool files
+            instance = f"dp{getattr(sc, 'dp_rank', 0) if sc else 0}"
+            self.store = PageStore(self.cfg, layout.geometry, self.namespace, instance=instance, role=role)
         log.info(
-            "flatcake: namespace %s, page %d bytes, DRAM %d slots, SSD %s (%s I/O, %s engine)",
-            self.namespace, layout.geometry.page_bytes, self.store.dram.n_slots, self.cfg.ssd.path,
+            "flatcake: namespace %s (%s), page %d bytes, DRAM %d slots, SSD %s (%s I/O, %s engine)",
+            self.namespace, self.store.role, layout.geometry.page_bytes, self.store.dram.n_slots, self.cfg.ssd.path,
             "direct" if self.store.ssd.direct_io else "buffered", getattr(self.store.cio, "engine_name", "?"),
         )
 
@@ -134,9 +141,20 @@ class FlatCakeStorage(HiCacheStorage):
             log.error("flatcake: called before register_mem_pool_host; every call is a miss")
         return False
 
-    def _page_ids(self, host_indices: torch.Tensor, n: int) -> list:
+    def _page_ids(self, host_indices: torch.Tensor, n: int) -> Optional[list]:
+        """Host page numbers of ``n`` pages, or ``None`` (logged once) unless ``host_indices``
+        holds exactly ``n`` whole, page-aligned pages of token slots."""
         ps = self.mem_pool_host.page_size
-        return (host_indices[: n * ps : ps] // ps).tolist()
+        hi = torch.as_tensor(host_indices).reshape(-1)
+        ok = hi.numel() == n * ps
+        if ok:
+            pages = hi.view(n, ps)
+            starts = pages[:, 0]
+            ok = bool((starts % ps == 0).all()) and bool((pages == starts[:, None] + torch.arange(ps, dtype=hi.dtype)).all())
+        if not ok:
+            self.store.errors("host_indices", ValueError(f"host_indices must be {n} whole page-aligned pages of {ps} slots"))
+            return None
+        return (starts // ps).tolist()
 
     # ------------------------------------------------------------------ queries
     def exists(self, key: str) -> bool:
@@ -165,8 +183,11 @@ class FlatCakeStorage(HiCacheStorage):
         try:
             if not self._ready() or not keys:
                 return [False] * len(keys)
+            ids = self._page_ids(host_indices, len(keys))
+            if ids is None:
+                return [False] * len(keys)
             t0 = _now()
-            out = self.store.get(keys, self.layout, self._page_ids(host_indices, len(keys)))
+            out = self.store.get(keys, self.layout, ids)
             self._note_metric(self._prefetch_pgs, self._prefetch_bw, sum(out), t0)
             return out
         except Exception as e:
@@ -181,8 +202,11 @@ class FlatCakeStorage(HiCacheStorage):
                 return [True] * len(keys)
             if not self._ready() or not keys:
                 return [False] * len(keys)
+            ids = self._page_ids(host_indices, len(keys))
+            if ids is None:
+                return [False] * len(keys)
             t0 = _now()
-            out = self.store.put(keys, self.layout, self._page_ids(host_indices, len(keys)), _prefix(extra_info))
+            out = self.store.put(keys, self.layout, ids, _prefix(extra_info))
             self._note_metric(self._backup_pgs, self._backup_bw, sum(out), t0)
             return out
         except Exception as e:

@@ -6,10 +6,11 @@ slots (``flatcake.kernels.scatter``: torch or Triton) → release the window.
 """
 
 from flatcake.cio.engines import EngineUnavailableError
-from flatcake.cio.plan import ChunkRead, MergedRead, PlannedChunk, ReadPlan, batch_reads, plan_reads
+from flatcake.cio.plan import ChunkBatch, ChunkRead, MergedRead, PlannedChunk, ReadPlan, batch_reads, plan_reads
 from flatcake.cio.restore import RestoreEngine, RestoreReport, auto_staging_bytes
 
 __all__ = [
+    "ChunkBatch",
     "ChunkRead",
     "EngineUnavailableError",
     "MergedRead",

@@ -36,8 +36,9 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence, Union
 
+import numpy as np
 import torch
 import xxhash
 
@@ -52,7 +53,7 @@ from flatcake.cio.engines import (
     select_engine,
     split_pieces,
 )
-from flatcake.cio.plan import ChunkRead, MergedRead, batch_reads, plan_reads
+from flatcake.cio.plan import ChunkBatch, ChunkRead, MergedRead, batch_reads, plan_reads
 from flatcake.cio.staging import StagingPool
 from flatcake.config import ALIGN, CioConfig
 from flatcake.kernels.scatter import resolve_impl, scatter_chunks
@@ -84,15 +85,29 @@ def auto_staging_bytes(chunk_bytes: int, max_pages_per_restore: int) -> int:
 
 @dataclass(eq=False)
 class _Batch:
-    """In-flight state of one staging batch (internal)."""
+    """In-flight state of one staging batch (internal).
+
+    Chunk arrays (numpy int64, one entry per chunk; ``*_idx`` are positions in ``chunks``,
+    ``*_b0`` byte offsets in the staging buffer): ``own_*`` the chunks owned by one piece,
+    grouped by piece (piece ``k``'s are ``[own_lo[k]:own_lo[k+1]]``); ``rest_*`` the others,
+    with ``rest_k0``/``rest_k1`` the pieces holding their first/last byte.
+    """
 
     batch: list
     buf: object
     layout: object
+    chunks: Optional[ChunkBatch] = None
     pieces: list = field(default_factory=list)
-    owned: dict = field(default_factory=dict)  # piece index -> [(buf start, buf end, chunk)]
-    rest: list = field(default_factory=list)  # [(buf start, buf end, chunk, first piece, n pieces)]
-    failed: list = field(default_factory=list)  # tags failed in workers (list.append is atomic)
+    piece_start: Optional[np.ndarray] = None  # int64 [pieces] buffer offset of each piece
+    piece_end: Optional[np.ndarray] = None  # int64 [pieces] buffer offset past each piece
+    own_b0: Optional[np.ndarray] = None
+    own_idx: Optional[np.ndarray] = None
+    own_lo: Optional[np.ndarray] = None  # int64 [pieces + 1]
+    rest_b0: Optional[np.ndarray] = None
+    rest_idx: Optional[np.ndarray] = None
+    rest_k0: Optional[np.ndarray] = None
+    rest_k1: Optional[np.ndarray] = None
+    failed: list = field(default_factory=list)  # tags failed in workers (list.extend is atomic)
     futures: list = field(default_factory=list)  # scatter-pool jobs of this batch
     used: int = 0
     pending: object = None
@@ -138,7 +153,7 @@ class RestoreEngine:
         direct_io: read with O_DIRECT (POSIX) / GDS-style direct reads; a filesystem that refuses
             O_DIRECT is detected (probe on ``dirname(path_of(0))``, and again at open/read time)
             and falls back to buffered reads with one log line.
-        chunk_bytes: bytes of one (page, layer) chunk; every :class:`ChunkRead` must have it.
+        chunk_bytes: bytes of one (page, layer) chunk; every chunk descriptor must have it.
         max_pages_per_restore: pages one restore usually carries (SGLang: 128); sizes the
             automatic staging buffer.
         device: staging device: ``"cpu"`` (page-aligned host memory) or ``"cuda[:N]"`` (HBM,
@@ -236,25 +251,37 @@ class RestoreEngine:
         return self._pool.waits
 
     # ------------------------------------------------------------------ restore
-    def _check(self, chunks: Sequence[ChunkRead], layout) -> None:
+    def _check(self, chunks: ChunkBatch, layout) -> None:
+        """Vectorized argument check (min/max over the batch's arrays)."""
         if layout.device.type != self.device.type:
             raise ValueError(f"layout on {layout.device} but staging on {self.device}")
         if layout.geometry.chunk_bytes != self.chunk_bytes:
             raise ValueError(
                 f"layout chunk_bytes {layout.geometry.chunk_bytes} != engine chunk_bytes {self.chunk_bytes}"
             )
+        if not len(chunks):
+            return
         L, N = layout.geometry.layers, layout.num_pages
-        for c in chunks:
-            if c.nbytes != self.chunk_bytes:
-                raise ValueError(f"chunk tag {c.tag}: nbytes {c.nbytes} != chunk_bytes {self.chunk_bytes}")
-            if not (0 <= c.page < N and 0 <= c.layer < L):
-                raise ValueError(f"chunk tag {c.tag}: page {c.page}/layer {c.layer} outside layout ({N} pages, {L} layers)")
+        nb = chunks.nbytes
+        if isinstance(nb, int):
+            if nb != self.chunk_bytes:
+                raise ValueError(f"chunk tag {int(chunks.tag[0])}: nbytes {nb} != chunk_bytes {self.chunk_bytes}")
+        elif (nb != self.chunk_bytes).any():
+            i = int(np.argmax(nb != self.chunk_bytes))
+            raise ValueError(f"chunk tag {int(chunks.tag[i])}: nbytes {int(nb[i])} != chunk_bytes {self.chunk_bytes}")
+        p, l = chunks.page, chunks.layer
+        if int(p.min()) < 0 or int(p.max()) >= N or int(l.min()) < 0 or int(l.max()) >= L:
+            i = int(np.argmax((p < 0) | (p >= N) | (l < 0) | (l >= L)))
+            raise ValueError(f"chunk tag {int(chunks.tag[i])}: page {int(p[i])}/layer {int(l[i])} outside layout "
+                             f"({N} pages, {L} layers)")
 
-    def restore(self, chunks: Sequence[ChunkRead], layout) -> RestoreReport:
+    def restore(self, chunks: Union[ChunkBatch, Sequence[ChunkRead]], layout) -> RestoreReport:
         """Read ``chunks`` from SSD and scatter them into ``layout``.
 
         Args:
-            chunks: descriptors (any order); each ``nbytes == chunk_bytes``.
+            chunks: a :class:`~flatcake.cio.plan.ChunkBatch` (the cheap form: numpy arrays, no
+                per-chunk objects) or a sequence of :class:`ChunkRead` (converted); any order;
+                every chunk ``nbytes == chunk_bytes``.
             layout: destination :class:`~flatcake.layout.KvPageLayout` (host pool on CPU staging,
                 device paged KV on CUDA staging).
 
@@ -268,8 +295,10 @@ class RestoreEngine:
         """
         if self._closed:
             raise RuntimeError("RestoreEngine is closed")
+        if not isinstance(chunks, ChunkBatch):
+            chunks = ChunkBatch.from_chunks(chunks)
         self._check(chunks, layout)
-        if not chunks:
+        if not len(chunks):
             return RestoreReport(frozenset(), 0, 0, 0, 0, 0, 0.0, self.engine_name)
         plan = plan_reads(chunks, gap_bytes=self.cfg.gap_bytes, max_io_bytes=self.max_io_bytes)
         batches = batch_reads(plan.reads, self.staging_bytes)
@@ -319,110 +348,178 @@ class RestoreEngine:
         engine on host staging, as soon as the piece is read its chunks are verified and scattered
         on the scatter pool (overlapping the other reads, on every core), while the I/O worker
         goes on to its next read. Chunks straddling two pieces, and every chunk on the kvikio/GPU
-        path, are handled by :meth:`_finish_batch`.
+        path, are handled by :meth:`_finish_batch`. Ownership is computed with array arithmetic
+        (no per-chunk Python work): piece of the first byte ``first + offset_in_read // step``,
+        owned when the chunk's end is inside that piece.
         """
         buf = win.buffers[b]
         if win.events is not None:
             win.events[b].synchronize()  # the previous scatter out of this buffer has finished
         pieces: list[IoPiece] = []
         st = _Batch(batch=batch, buf=buf, layout=layout)
+        cb = self.chunk_bytes
         pos = 0
+        b0s, idxs, k0s, k1s = [], [], [], []
         for r in batch:
             ps = split_pieces(r.file_index, r.offset, r.nbytes, pos, self.cfg.io_workers)
             first = len(pieces)
             pieces.extend(ps)
             step = ps[0].nbytes
-            for pc in r.chunks:
-                b0 = pos + pc.offset_in_read
-                b1 = b0 + pc.chunk.nbytes
-                k = first + pc.offset_in_read // step
-                if self._worker_scatter and b1 <= pieces[k].buf_offset + pieces[k].nbytes:
-                    st.owned.setdefault(k, []).append((b0, b1, pc.chunk))
-                else:
-                    st.rest.append((b0, b1, pc.chunk, first, len(ps)))
+            offs = r.offsets
+            b0s.append(offs + pos)
+            idxs.append(r.index)
+            k0s.append(offs // step + first)  # piece holding the chunk's first byte
+            k1s.append((offs + (cb - 1)) // step + first)  # piece holding its last byte
             pos += r.nbytes
+        st.chunks = batch[0].batch
         st.pieces = pieces
         st.used = pos
-        on_piece = (lambda k, res: st.futures.append(self._scatter_pool.submit(self._piece_done, st, k, res))) \
-            if st.owned else None
+        st.piece_start = np.fromiter((p.buf_offset for p in pieces), dtype=np.int64, count=len(pieces))
+        st.piece_end = st.piece_start + np.fromiter((p.nbytes for p in pieces), dtype=np.int64, count=len(pieces))
+        b0 = np.concatenate(b0s)
+        idx = np.concatenate(idxs)
+        k0 = np.concatenate(k0s)
+        k1 = np.concatenate(k1s)
+        if self._worker_scatter:
+            own = k0 == k1  # the whole chunk lies in one piece
+            if own.all():
+                st.own_b0, st.own_idx, own_k = b0, idx, k0
+            else:
+                st.own_b0, st.own_idx, own_k = b0[own], idx[own], k0[own]
+                rest = ~own
+                st.rest_b0, st.rest_idx, st.rest_k0, st.rest_k1 = b0[rest], idx[rest], k0[rest], k1[rest]
+            # own_k is non-decreasing (reads back to back, chunks sorted in each read):
+            # the chunks of piece k are own_*[own_lo[k]:own_lo[k + 1]]
+            st.own_lo = np.searchsorted(own_k, np.arange(len(pieces) + 1), side="left")
+        else:
+            st.rest_b0, st.rest_idx, st.rest_k0, st.rest_k1 = b0, idx, k0, k1
+        on_piece = None
+        if st.own_idx is not None and st.own_idx.shape[0]:
+            on_piece = lambda k, res: st.futures.append(self._scatter_pool.submit(self._piece_done, st, k, res))  # noqa: E731
         st.pending = self._engine.submit(pieces, buf, on_piece)
         return st
 
-    def _accept(self, st: "_Batch", host, b0: int, b1: int, c: ChunkRead) -> bool:
-        """Checksum check of one fully read chunk (True when it may be scattered)."""
-        if not (self.cfg.verify_checksums and c.checksum is not None):
-            return True
-        if xxhash.xxh3_64_intdigest(host[b0:b1]) == c.checksum:
-            return True
-        self.errors.report("verify", "checksum", f"chunk tag {c.tag} (file {c.file_index} @ {c.offset})")
-        return False
+    def _verify(self, host, b0: np.ndarray, idx: np.ndarray, chunks: ChunkBatch) -> np.ndarray:
+        """Checksum check of fully read chunks.
 
-    def _short(self, c: ChunkRead, res) -> None:
+        Args:
+            host: uint8 numpy view of the staging buffer (may be ``None`` when nothing is checked).
+            b0: int64 ``[m]`` byte offsets of the chunks in the buffer.
+            idx: int64 ``[m]`` positions of the chunks in ``chunks``.
+            chunks: the restore's batch.
+
+        Returns:
+            bool ``[m]``: True where the chunk may be scattered (no checksum configured or given,
+            or its xxh3-64 matches). Each mismatch is reported to :attr:`errors`.
+        """
+        m = b0.shape[0]
+        if not self.cfg.verify_checksums or m == 0:
+            return np.ones(m, dtype=bool)
+        has = chunks.has_checksum[idx]
+        ok = np.ones(m, dtype=bool)
+        sel = np.flatnonzero(has) if not has.all() else None
+        if sel is not None and sel.shape[0] == 0:
+            return ok
+        cb = self.chunk_bytes
+        h = xxhash.xxh3_64_intdigest
+        mv = memoryview(host)
+        starts = (b0 if sel is None else b0[sel]).tolist()
+        got = np.fromiter((h(mv[s: s + cb]) for s in starts), dtype=np.uint64, count=len(starts))
+        want = chunks.checksum[idx if sel is None else idx[sel]]
+        bad = np.flatnonzero(got != want)
+        if bad.shape[0]:
+            pos = bad if sel is None else sel[bad]
+            ok[pos] = False
+            for i in idx[pos].tolist():
+                self.errors.report("verify", "checksum", f"chunk tag {int(chunks.tag[i])} (file "
+                                   f"{int(chunks.file_index[i])} @ {int(chunks.offset[i])})")
+        return ok
+
+    def _short(self, chunks: ChunkBatch, i: int, res) -> None:
         if res.error == "EOF":
             self.errors.report(
-                "read", "short read", f"file {c.file_index} ends before byte {c.offset + c.nbytes} (chunk tag {c.tag})"
+                "read", "short read",
+                f"file {int(chunks.file_index[i])} ends before byte {int(chunks.offset[i]) + self.chunk_bytes} "
+                f"(chunk tag {int(chunks.tag[i])})",
             )
+
+    def _scatter(self, st: "_Batch", b0: np.ndarray, idx: np.ndarray) -> None:
+        """Scatter chunks ``idx`` (positions in the batch) from buffer offsets ``b0`` (int64)."""
+        ch = st.chunks
+        scatter_chunks(
+            st.buf.tensor, torch.from_numpy(b0), st.layout, torch.from_numpy(ch.page[idx]),
+            torch.from_numpy(ch.layer[idx]), impl=self.scatter_impl,
+        )
 
     def _piece_done(self, st: "_Batch", k: int, res) -> None:
         """Worker-side: verify and scatter the chunks piece ``k`` owns, now that it was read."""
-        end = st.pieces[k].buf_offset + res.got
-        offs, pages, layers = [], [], []
-        for b0, b1, c in st.owned.get(k, ()):
-            if b1 > end:
-                st.failed.append(c.tag)
-                self._short(c, res)
-            elif self._accept(st, st.buf.array, b0, b1, c):
-                offs.append(b0)
-                pages.append(c.page)
-                layers.append(c.layer)
-            else:
-                st.failed.append(c.tag)
-        if offs:
-            scatter_chunks(
-                st.buf.tensor, torch.tensor(offs, dtype=torch.int64), st.layout,
-                torch.tensor(pages, dtype=torch.int64), torch.tensor(layers, dtype=torch.int64),
-                impl=self.scatter_impl,
-            )
+        lo, hi = int(st.own_lo[k]), int(st.own_lo[k + 1])
+        if lo == hi:
+            return
+        b0 = st.own_b0[lo:hi]
+        idx = st.own_idx[lo:hi]
+        ch = st.chunks
+        end = int(st.piece_start[k]) + res.got
+        if res.got < st.pieces[k].nbytes:
+            full = b0 + self.chunk_bytes <= end
+            for i in idx[~full].tolist():
+                st.failed.append(int(ch.tag[i]))
+                self._short(ch, i, res)
+            b0, idx = b0[full], idx[full]
+        ok = self._verify(st.buf.array, b0, idx, ch)
+        if not ok.all():
+            st.failed.extend(ch.tag[idx[~ok]].tolist())
+            b0, idx = b0[ok], idx[ok]
+        if b0.shape[0]:
+            self._scatter(st, b0, idx)
 
     def _finish_batch(self, st: "_Batch", win, b: int, layout, failed: set[int]) -> None:
         """Wait for a batch's reads (and worker-side scatters); then, for the chunks no worker
-        owned, drop those not fully read or failing their checksum and scatter the rest."""
+        owned, drop those not fully read or failing their checksum and scatter the rest.
+
+        A chunk spanning pieces ``k0..k1`` is fully read when pieces ``k0..k1-1`` are complete
+        and piece ``k1`` got at least up to the chunk's end (vectorized over the chunks)."""
         results = st.pending.wait()
         if st.pending.callback_errors:
             raise st.pending.callback_errors[0]
         for f in st.futures:  # worker-side verify + scatter of this buffer
             f.result()
         failed.update(st.failed)
+        if st.rest_idx is None or st.rest_idx.shape[0] == 0:
+            return
         buf = st.buf
-        host = None
-        src_offs: list[int] = []
-        pages: list[int] = []
-        layers: list[int] = []
-        pieces = st.pieces
-        for b0, b1, c, first, n in st.rest:
-            short = [k for k in range(first, first + n)
-                     if pieces[k].buf_offset < b1 and pieces[k].buf_offset + pieces[k].nbytes > b0
-                     and pieces[k].buf_offset + results[k].got < min(b1, pieces[k].buf_offset + pieces[k].nbytes)]
-            if short:
-                failed.add(c.tag)
-                self._short(c, results[short[0]])
-                continue
-            if host is None and self.cfg.verify_checksums and c.checksum is not None:
-                host = buf.array if buf.array is not None else buf.tensor[: st.used].cpu().numpy()
-            if not self._accept(st, host, b0, b1, c):
-                failed.add(c.tag)
-                continue
-            src_offs.append(b0)
-            pages.append(c.page)
-            layers.append(c.layer)
-        if not src_offs:
+        ch = st.chunks
+        b0, idx, k0, k1 = st.rest_b0, st.rest_idx, st.rest_k0, st.rest_k1
+        got = np.fromiter((r.got for r in results), dtype=np.int64, count=len(results))
+        valid_end = st.piece_start + got
+        incomplete = valid_end < st.piece_end
+        if incomplete.any():
+            inc_cum = np.concatenate(([0], np.cumsum(incomplete)))
+            # incomplete pieces among k0..k1-1, or the last piece short of the chunk's end
+            short = (inc_cum[k1] - inc_cum[k0] > 0) | (valid_end[k1] < b0 + self.chunk_bytes)
+            if short.any():
+                for j in np.flatnonzero(short).tolist():
+                    i = int(idx[j])
+                    failed.add(int(ch.tag[i]))
+                    ks = [k for k in range(int(k0[j]), int(k1[j]) + 1)
+                          if valid_end[k] < min(int(b0[j]) + self.chunk_bytes, int(st.piece_end[k]))]
+                    self._short(ch, i, results[ks[0]])
+                keep = ~short
+                b0, idx = b0[keep], idx[keep]
+        if self.cfg.verify_checksums and b0.shape[0] and ch.has_checksum[idx].any():
+            host = buf.array if buf.array is not None else buf.tensor[: st.used].cpu().numpy()
+            ok = self._verify(host, b0, idx, ch)
+            if not ok.all():
+                failed.update(ch.tag[idx[~ok]].tolist())
+                b0, idx = b0[ok], idx[ok]
+        if not b0.shape[0]:
             return
         args = (
             buf.tensor,
-            torch.tensor(src_offs, dtype=torch.int64),
+            torch.from_numpy(b0),
             layout,
-            torch.tensor(pages, dtype=torch.int64),
-            torch.tensor(layers, dtype=torch.int64),
+            torch.from_numpy(ch.page[idx]),
+            torch.from_numpy(ch.layer[idx]),
         )
         if self._streams is None:
             scatter_chunks(*args, impl=self.scatter_impl)
@@ -456,6 +553,6 @@ class RestoreEngine:
 
 
 __all__ = [
-    "ChunkRead", "RestoreEngine", "RestoreReport", "EngineUnavailableError", "MIN_AUTO_STAGING_BYTES",
+    "ChunkBatch", "ChunkRead", "RestoreEngine", "RestoreReport", "EngineUnavailableError", "MIN_AUTO_STAGING_BYTES",
     "auto_staging_bytes",
 ]

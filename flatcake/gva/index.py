@@ -25,7 +25,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterable, Optional
 
 import numpy as np
@@ -99,6 +99,12 @@ class SessionScope:
             self.retired = True
             return True
 
+    def force_retire(self) -> None:
+        """Refuse new pins even if some are held (a follower mirroring a scope the writer
+        retired: readers inside it finish and their checksums catch reused bytes)."""
+        with self._lock:
+            self.retired = True
+
     def new_turn(self) -> None:
         """A new request of this session reached its tail: turn + 1."""
         self.turn += 1
@@ -169,8 +175,9 @@ class GvaIndex:
         scope.tail_key = key
         self.tails[key] = scope
 
-    def unpublish_scope_locked(self, scope: SessionScope) -> int:
-        """Remove every key of a retired scope; returns how many were removed."""
+    def hide_scope_locked(self, scope: SessionScope) -> int:
+        """Remove a scope's keys (and tail) from the index, keeping it in the scope table;
+        returns how many keys were removed."""
         n = 0
         for k in scope.keys:
             e = self._map.get(k)
@@ -179,6 +186,11 @@ class GvaIndex:
                 n += 1
         if scope.tail_key is not None and self.tails.get(scope.tail_key) is scope:
             del self.tails[scope.tail_key]
+        return n
+
+    def unpublish_scope_locked(self, scope: SessionScope) -> int:
+        """Remove every key of a retired scope and the scope itself; returns keys removed."""
+        n = self.hide_scope_locked(scope)
         self.scopes.pop(scope.scope_id, None)
         return n
 

@@ -35,6 +35,11 @@ from flatcake.media.extent import BLOCK, EXTENT_GRID, align_up, namespace_digest
 log = logging.getLogger("flatcake.ssd")
 
 
+class PoolFileGone(OSError):
+    """A pool file was unlinked behind the backend (e.g. by a tmp cleaner): writes to the open
+    fd would land in an orphan inode that no reader can open."""
+
+
 class SsdStartupError(RuntimeError):
     """The SSD pool cannot be created or opened (bad ``ssd.path``, no space, permissions)."""
 
@@ -131,12 +136,13 @@ class SsdFilePool:
             pool file cannot be created there (message names ``ssd.path`` and the errno).
     """
 
-    def __init__(self, cfg: SsdConfig, namespace: str):
+    def __init__(self, cfg: SsdConfig, namespace: str, instance: str = "", follower: bool = False):
         self.cfg = cfg
         self.file_bytes = cfg.file_bytes
         self.max_files = cfg.max_files
         self.capacity_bytes = cfg.file_bytes * cfg.max_files
-        self.prefix = "fc-" + namespace_digest(namespace).hex()[:16]
+        self.follower = follower
+        self.prefix = "fc-" + namespace_digest(namespace + "|" + instance).hex()[:16]
         try:
             os.makedirs(cfg.path, exist_ok=True)
         except OSError as e:
@@ -155,8 +161,37 @@ class SsdFilePool:
         self._fd_lock = threading.Lock()
         self._free: dict[int, _FreeRanges] = {}  # only files that exist
         self.used_bytes = 0
+        self._lock_fd = -1
+        if follower:  # reads the writer's files; creates and locks nothing
+            return
+        self._take_writer_lock()
         # Fail now, not at the first write: create the first pool file.
         self._open_file(0)
+
+    def _take_writer_lock(self) -> None:
+        """One writer per pool: a second process with the same namespace and ``ssd.path``
+        would overwrite this one's extents."""
+        import fcntl
+
+        path = os.path.join(self.cfg.path, self.prefix + ".lock")
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            raise SsdStartupError(
+                f"ssd.path {self.cfg.path!r}: pool {self.prefix} is in use by another FlatCake process "
+                f"(pid {holder}) with the same namespace; give each server its own ssd.path"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        self._lock_fd = fd
+
+    @property
+    def journal_path(self) -> str:
+        """The scope journal shared with follower ranks (:mod:`flatcake.gva.journal`)."""
+        return os.path.join(self.cfg.path, self.prefix + ".journal")
 
     # ------------------------------------------------------------------ files
     def path_of(self, file_index: int) -> str:
@@ -242,6 +277,23 @@ class SsdFilePool:
         self._free[ext.file_index].give(ext.offset, ext.nbytes)
         self.used_bytes -= ext.nbytes
 
+    def reset_file_locked(self, file_index: int) -> None:
+        """Forget pool file ``file_index`` (removed behind the backend): close its fd and mark
+        all of it free; it is recreated (and ``ssd.path`` with it) on the next use. The caller
+        has already dropped every scope with an extent in it."""
+        with self._fd_lock:
+            fd = self._fds.pop(file_index, None)
+        if fd is not None:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        fr = self._free.get(file_index)
+        if fr is not None:
+            self.used_bytes -= self.file_bytes - sum(fr.lens)
+            self._free[file_index] = _FreeRanges(self.file_bytes)
+        os.makedirs(self.cfg.path, exist_ok=True)
+
     def used_fraction(self) -> float:
         """Allocated bytes over pool capacity."""
         return self.used_bytes / self.capacity_bytes
@@ -254,6 +306,8 @@ class SsdFilePool:
             OSError: the write failed or was short (errno ``EIO`` for short writes).
         """
         fd = self._open_file(file_index)
+        if os.fstat(fd).st_nlink == 0:
+            raise PoolFileGone(errno.ENOENT, "pool file was removed behind the backend", self.path_of(file_index))
         mv = memoryview(buf)
         done = 0
         while done < len(mv):
@@ -267,8 +321,20 @@ class SsdFilePool:
         fd = self._open_file(file_index)
         return os.preadv(fd, [buf], offset)
 
+    def read_at(self, file_index: int, offset: int, nbytes: int) -> bytes:
+        """Buffered read of ``nbytes`` at ``offset`` (metadata: round headers and records).
+
+        Raises:
+            OSError: the file is missing or unreadable.
+        """
+        fd = os.open(self.path_of(file_index), os.O_RDONLY)
+        try:
+            return os.pread(fd, nbytes, offset)
+        finally:
+            os.close(fd)
+
     def close(self) -> None:
-        """Close every fd (files stay on disk)."""
+        """Close every fd and release the writer lock (files stay on disk)."""
         with self._fd_lock:
             for fd in self._fds.values():
                 try:
@@ -276,6 +342,9 @@ class SsdFilePool:
                 except OSError:
                     pass
             self._fds.clear()
+            if self._lock_fd >= 0:
+                os.close(self._lock_fd)
+                self._lock_fd = -1
 
 
 class AlignedBuffer:

@@ -343,3 +343,87 @@ def test_close_waits_for_a_running_read(make_backend):
     t.join(10)
     assert results == [[True, True]]
     assert page_matches(pool, 4 * pool.page_size, "w0")
+
+
+def test_pool_removed_behind_the_backend_stops_hits_and_recovers(make_backend):
+    import shutil
+
+    be, pool = make_backend()
+    keys = [f"rm{i}" for i in range(4)]
+    _write(be, pool, keys, range(4))
+    shutil.rmtree(be.cfg.ssd.path)  # a tmp cleaner removes the pool
+    assert be.batch_exists(keys) == 4  # nothing has noticed yet
+    assert be.batch_get_v1(keys, slots_of(pool, range(8, 12))) == [False] * 4
+    assert be.batch_exists(keys) == 0  # the unreadable scope is no longer advertised
+    # new writes detect the removed file, drop what lived there and recreate the pool
+    other = [f"new{i}" for i in range(3)]
+    assert _write(be, pool, other, range(20, 23)) == [False] * 3
+    assert _write(be, pool, other, range(20, 23)) == [True] * 3
+    pool.kv_buffer.zero_()
+    assert be.batch_get_v1(other, slots_of(pool, range(30, 33))) == [True] * 3
+    assert all(page_matches(pool, (30 + i) * pool.page_size, k) for i, k in enumerate(other))
+
+
+def test_oversized_round_fails_without_reclaiming_anything(make_backend):
+    be, pool = make_backend(extra={"ssd.file_bytes": 512 << 10, "ssd.max_files": 1})
+    _write(be, pool, ["keep0", "keep1"], [0, 1])
+    # 128 legal 4000-byte keys: their round's record alone (~512 KiB) cannot fit a 512 KiB file
+    keys = [f"{'k' * 3990}{i:04d}" for i in range(128)]
+    got = be.batch_set_v1(keys, torch.arange(128 * pool.page_size) % (60 * pool.page_size))
+    assert got == [False] * 128
+    assert be.batch_exists(["keep0", "keep1"]) == 2  # nothing was reclaimed for a hopeless put
+    assert be.flatcake_stats()["reclaimed_scopes_ssd"] == 0
+
+
+def test_bad_keys_fail_the_put_and_leave_no_pinned_scope(make_backend):
+    be, pool = make_backend()
+    _write(be, pool, ["s1"], [0])
+    assert be.batch_set_v1([None], slots_of(pool, [1]), HiCacheStorageExtraInfo(prefix_keys=["s1"])) == [False]
+    assert be.batch_set_v1(["ok", "\ud800bad", "after"], slots_of(pool, [1, 2, 3])) == [True, False, False]
+    assert be.store.index.get("s1").scope.refcount == 0
+    be.clear()
+    assert be.batch_exists(["s1"]) == 0 and len(be.store.index) == 0
+
+
+def test_duplicate_keys_in_one_call_are_stored_once(make_backend):
+    be, pool = make_backend()
+    fill_page(pool, 0, "x")
+    fill_page(pool, 4, "y")
+    assert be.batch_set_v1(["x", "x", "y"], slots_of(pool, [0, 0, 1])) == [True, True, True]
+    assert be.flatcake_stats()["pages_written_ssd"] == 2
+
+
+def test_host_indices_not_on_page_boundaries_are_refused(make_backend):
+    be, pool = make_backend()
+    fill_page(pool, 0, "a")
+    bad = torch.arange(2, 6)  # slots 2..5 straddle pages 0 and 1 (page_size 4)
+    assert be.batch_set_v1(["a"], bad) == [False]
+    assert be.batch_exists(["a"]) == 0
+    _write(be, pool, ["a"], [0])
+    assert be.batch_get_v1(["a"], bad) == [False]
+    assert be.batch_get_v1(["a"], torch.arange(4)) == [True]
+
+
+def test_mla_tp2_follower_rank_sees_the_writer_rank_pages(make_backend):
+    """SGLang takes the MIN hit count over TP ranks; for MLA only rank 0 writes, so rank 1
+    must see rank 0's pages (it tails rank 0's scope journal and reads its pool files)."""
+    w, wpool = make_backend(mla=True, tp_rank=0, tp_size=2, extra={"dram.capacity_bytes": 1 << 20, "cio.verify_checksums": False})
+    f, fpool = make_backend(mla=True, tp_rank=1, tp_size=2)
+    assert (w.store.role, f.store.role) == ("writer", "follower")
+    assert w.store.dram.n_slots == 0  # DRAM pages would be invisible to rank 1
+    keys = [f"mla{i}" for i in range(6)]
+    assert _write(w, wpool, keys[:3], range(3)) == [True] * 3
+    assert _write(w, wpool, keys[3:], range(3, 6), prefix=keys[:3]) == [True] * 3
+    assert _write(f, fpool, keys, range(6)) == [True] * 6  # non-writer: SGLang skips it; no bytes written
+    assert min(w.batch_exists(keys), f.batch_exists(keys)) == 6
+    assert f.batch_get_v1(keys, slots_of(fpool, range(10, 16))) == [True] * 6
+    assert all(page_matches(fpool, (10 + i) * fpool.page_size, k) for i, k in enumerate(keys))
+    assert f.store.cfg.cio.verify_checksums is True  # followers always verify
+    w.clear()  # the writer frees the scope: the follower stops advertising it
+    assert f.batch_exists(keys) == 0
+
+
+def test_second_writer_on_the_same_pool_fails_at_startup(make_backend):
+    make_backend()
+    with pytest.raises(SsdStartupError, match="in use by another FlatCake process"):
+        make_backend()
