@@ -55,7 +55,8 @@ class ConfigError(ValueError):
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # strict: no silent coercion ("no" is not a bool, True is not a byte count, "8" is not 8)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
 
 class _WatermarkSection(_Section):
@@ -179,8 +180,13 @@ def _undot(over: Mapping[str, Any]) -> dict:
                 raise ConfigError(f"{key}: conflicts with a non-section value for '{p}'")
             cur = nxt
         if isinstance(val, Mapping) and isinstance(cur.get(parts[-1]), dict):
+            for k2, v2 in val.items():
+                if k2 in cur[parts[-1]] and cur[parts[-1]][k2] != v2 and not isinstance(v2, Mapping):
+                    raise ConfigError(f"{key}.{k2}: given twice with different values")
             cur[parts[-1]] = _deep_merge(cur[parts[-1]], val)
         else:
+            if parts[-1] in cur and cur[parts[-1]] != val:
+                raise ConfigError(f"{key}: given twice with different values")
             cur[parts[-1]] = val
     return out
 

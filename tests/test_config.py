@@ -297,3 +297,18 @@ def test_dotted_keys_inside_yaml_are_accepted(tmp_path):
 def test_dram_capacity_past_gva_offset_field_is_rejected():
     with pytest.raises(ConfigError, match=r"dram\.capacity_bytes: .*2\*\*48"):
         load_config(None, {"dram.capacity_bytes": 1 << 48})
+
+
+@pytest.mark.parametrize(
+    "over,field",
+    [({"dram.capacity_bytes": True}, "dram.capacity_bytes"), ({"cio.verify_checksums": "no"}, "cio.verify_checksums"), ({"ssd.max_files": "8"}, "ssd.max_files")],
+)
+def test_no_silent_type_coercion(over, field):
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        load_config(None, over)
+
+
+def test_same_key_given_nested_and_dotted_with_different_values_is_an_error():
+    with pytest.raises(ConfigError, match=r"ssd\.path: given twice"):
+        load_config(None, {"ssd": {"path": "/tmp/x"}, "ssd.path": "/tmp/y"})
+    assert load_config(None, {"ssd": {"path": "/tmp/x"}, "ssd.path": "/tmp/x"}).ssd.path == "/tmp/x"
