@@ -36,7 +36,7 @@ from flatcake.replay.engine import Engine, EngineConfig, ModelProfile, RequestOu
 from flatcake.replay.keys import PageKeyer
 from flatcake.replay.report import markdown, plot_ttft_cdf, system_summary
 from flatcake.replay.systems import SYSTEMS, make_system
-from flatcake.replay.traces import detect_format, ideal_hit_rate, load_trace
+from flatcake.replay.traces import TraceFormatError, detect_format, ideal_hit_rate, load_trace
 
 log = logging.getLogger("flatcake.replay")
 
@@ -110,8 +110,10 @@ def replay_settings(cfg: FlatCakeConfig, args: argparse.Namespace, config_dir: P
         s["trace"] = _resolve(s["trace"], config_dir)
     if args.trace:
         s["trace"] = Path(args.trace)
-    if args.systems:
+    if args.systems is not None:
         s["systems"] = [x.strip() for x in args.systems.split(",") if x.strip()]
+        if not s["systems"]:
+            raise ConfigError("--systems: name at least one system")
     if isinstance(s["systems"], str):
         s["systems"] = [x.strip() for x in s["systems"].split(",") if x.strip()]
     for flag in ("max_requests", "out", "sessions", "hbm_pages"):
@@ -120,6 +122,11 @@ def replay_settings(cfg: FlatCakeConfig, args: argparse.Namespace, config_dir: P
             s[flag] = v
     if args.keep_data:
         s["keep_data"] = True
+    for key in ("max_requests", "sessions"):
+        if s.get(key) is not None and s[key] < 1:
+            raise ConfigError(f"replay.{key}: must be at least 1 (got {s[key]})")
+    if s.get("hbm_pages") is not None and s["hbm_pages"] < 0:
+        raise ConfigError(f"replay.hbm_pages: must be >= 0 (got {s['hbm_pages']})")
     bad = [x for x in s["systems"] if x not in SYSTEMS]
     if bad:
         raise ConfigError(f"replay.systems: unknown system(s) {bad} (known: {', '.join(SYSTEMS)})")
@@ -127,6 +134,8 @@ def replay_settings(cfg: FlatCakeConfig, args: argparse.Namespace, config_dir: P
         raise ConfigError("replay.trace: no trace given (use --trace PATH or replay.trace)")
     if not Path(s["trace"]).exists():
         raise ConfigError(f"replay.trace: not found: {s['trace']}")
+    if Path(s["out"]).exists() and not Path(s["out"]).is_dir():
+        raise ConfigError(f"replay.out: not a directory: {s['out']}")
     return s
 
 
@@ -273,7 +282,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"flatcake-replay: {e}", file=sys.stderr)
         return 2
     t0 = time.perf_counter()
-    summary = run_replay(cfg, settings, profile, progress=not args.no_progress)
+    try:
+        summary = run_replay(cfg, settings, profile, progress=not args.no_progress)
+    except TraceFormatError as e:
+        print(f"flatcake-replay: replay.trace: {e}", file=sys.stderr)
+        return 2
     print(markdown(summary))
     print(f"wrote {Path(settings['out']) / 'summary.json'} in {time.perf_counter() - t0:.1f} s")
     bad = sum(s["verify_failures"] for s in summary["systems"].values())

@@ -29,6 +29,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator, Optional, Sequence
 
+
+class TraceFormatError(ValueError):
+    """The trace file cannot be read as a Mooncake JSONL or WEKA archive (message names it)."""
+
 MOONCAKE_BLOCK_TOKENS = 512  # tokens per Mooncake hash_id block
 WEKA_BLOCK_TOKENS = 64  # tokens per WEKA hash_id block (the files' block_size)
 
@@ -194,7 +198,7 @@ def detect_format(path: str | Path) -> str:
         return "mooncake"
     if p.is_dir() or p.name.endswith((".tar.xz", ".txz", ".tar", ".tar.gz", ".tgz")):
         return "weka"
-    raise ValueError(f"unknown trace format for {p} (expected .jsonl or a .tar.xz archive)")
+    raise TraceFormatError(f"unknown trace format for {p} (expected .jsonl or a .tar.xz archive)")
 
 
 def load_trace(
@@ -208,9 +212,14 @@ def load_trace(
     """Read any supported trace (format from the file name); see :func:`read_mooncake` and
     :func:`read_weka` for the arguments."""
     fmt = detect_format(path)
-    if fmt == "mooncake":
-        return read_mooncake(path, max_requests)
-    return read_weka(path, sessions, session_gap_s, max_requests, skip_sessions, max_context_tokens)
+    try:
+        if fmt == "mooncake":
+            return read_mooncake(path, max_requests)
+        return read_weka(path, sessions, session_gap_s, max_requests, skip_sessions, max_context_tokens)
+    except TraceFormatError:
+        raise
+    except (ValueError, KeyError, TypeError, OSError, EOFError, tarfile.TarError) as e:
+        raise TraceFormatError(f"{path}: not a readable {fmt} trace ({type(e).__name__}: {e})") from None
 
 
 def ideal_hit_rate(page_keys: Iterable[Sequence[str]]) -> tuple[int, int]:

@@ -160,3 +160,25 @@ def test_injected_backend_failures_are_misses_never_wrong_bytes(tmp_path, weka_p
     for r in s["systems"].values():
         assert r["verify_failures"] == 0 and r["backend_errors"] == 0
         assert r["delivered_hit_rate"] <= s["ideal_hit_rate"]
+
+
+@pytest.mark.parametrize(
+    "flags,msg",
+    [
+        (["--max-requests", "0"], "replay.max_requests: must be at least 1"),
+        (["--max-requests", "-1"], "replay.max_requests: must be at least 1"),
+        (["--sessions", "0"], "replay.sessions: must be at least 1"),
+        (["--hbm-pages", "-5"], "replay.hbm_pages: must be >= 0"),
+        (["--systems", ""], "--systems: name at least one system"),
+    ],
+)
+def test_bad_flags_exit_2_naming_the_field(flags, msg, capsys, tmp_path, mooncake_path):
+    rc = main(["--trace", str(mooncake_path), "--out", str(tmp_path / "o"), "--no-progress"] + flags)
+    assert rc == 2 and msg in capsys.readouterr().err
+
+
+def test_unreadable_trace_exits_2(capsys, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("this is not json\n")
+    rc = main(["--trace", str(bad), "--out", str(tmp_path / "o"), "--no-progress", "--systems", "file"])
+    assert rc == 2 and "replay.trace" in capsys.readouterr().err
