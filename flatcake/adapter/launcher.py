@@ -251,6 +251,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         head, tail = args[:cut], args[cut:]
     else:
         head, tail = args, []
+    if any(a.startswith(DRY_RUN_FLAG + "=") for a in head):
+        print(f"{_PROG}: error: {DRY_RUN_FLAG} takes no value", file=sys.stderr)
+        return 2
     if DRY_RUN_FLAG in head:
         dry_run = True
         head = [a for a in head if a != DRY_RUN_FLAG]

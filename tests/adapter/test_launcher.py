@@ -294,3 +294,8 @@ def test_console_script_is_installed_and_works():
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)[:2] == ["--hicache-storage-backend", "dynamic"]
+
+
+def test_dry_run_with_a_value_is_refused_not_launched(capsys):
+    assert main(["--dry-run=1", *BASE, *FC]) == 2
+    assert "--dry-run takes no value" in capsys.readouterr().err
