@@ -427,3 +427,30 @@ def test_second_writer_on_the_same_pool_fails_at_startup(make_backend):
     make_backend()
     with pytest.raises(SsdStartupError, match="in use by another FlatCake process"):
         make_backend()
+
+
+def test_restore_of_dram_pages_issues_no_ssd_read(make_backend):
+    be, pool = make_backend(extra={"dram.capacity_bytes": 1 << 20})
+    keys = ["d0", "d1", "d2"]
+    be.batch_exists(keys)
+    be.batch_exists(keys)  # a shared prompt: placed on DRAM
+    _write(be, pool, keys, range(3))
+    before = be.flatcake_stats()
+    assert be.batch_get_v1(keys, slots_of(pool, range(5, 8))) == [True] * 3
+    after = be.flatcake_stats()
+    assert after["hit_pages_dram"] - before["hit_pages_dram"] == 3
+    assert (after["ssd_read_bytes"], after["ssd_read_ops"]) == (before["ssd_read_bytes"], before["ssd_read_ops"])
+
+
+def test_missing_page_in_the_middle_reads_nothing_past_the_hole(make_backend):
+    be, pool = make_backend()
+    keys = [f"m{i}" for i in range(6)]
+    _write(be, pool, keys[:2], [0, 1])
+    _write(be, pool, keys[3:], [3, 4, 5])  # m2 never stored
+    before = be.flatcake_stats()["ssd_read_bytes"]
+    assert be.batch_get_v1(keys, slots_of(pool, range(10, 16))) == [True, True] + [False] * 4
+    read = be.flatcake_stats()["ssd_read_bytes"] - before
+    g = be.store.geometry
+    # pages m0, m1 only: their round's chunks rounded out to 4 KiB blocks (+1 block of skew)
+    assert 2 * g.page_bytes <= read <= -(-2 * g.page_bytes // 4096) * 4096 + 4096
+    assert be.flatcake_stats()["hit_pages_ssd"] == 2
