@@ -204,34 +204,49 @@ def _triton_scatter(staging, src_offsets, layout, page_ids, layer_ids, block: in
         return
     g = layout.geometry
     P = g.page_size
-    pages = page_ids.tolist()
-    layers = layer_ids.tolist()
-    srcs = src_offsets.tolist()
+    pages = page_ids.cpu().numpy().astype(np.int64, copy=False)
+    layers = layer_ids.cpu().numpy().astype(np.int64, copy=False)
+    srcs = src_offsets.cpu().numpy().astype(np.int64, copy=False)
     plane_offs = g.plane_offsets()
-    # group (chunk, plane) pairs by (row_bytes, token stride): one launch per group
-    groups: dict[tuple[int, int], list[tuple[int, int, torch.Tensor]]] = {}
+    uniq, inv = np.unique(layers, return_inverse=True)
+    sel = [np.flatnonzero(inv == u) for u in range(uniq.shape[0])] if uniq.shape[0] > 1 else [None]
+    # group (chunk, plane) pairs by (row_bytes, token stride): one launch per group; per group,
+    # byte offsets as int64 arrays (a loop over planes x distinct layers, not over chunks)
+    groups: dict[tuple[int, int], list] = {}
     for j, (rb, po) in enumerate(zip(g.plane_row_bytes, plane_offs)):
-        for i in range(n):
-            view = layout.layer_planes(layers[i])[j]  # uint8 [num_pages, P, rb]
+        for u, layer in enumerate(uniq.tolist()):
+            view = layout.layer_planes(layer)[j]  # uint8 [num_pages, P, rb]
             if view.stride(2) != 1:
-                raise ValueError(f"plane {j} of layer {layers[i]} has a non-unit row stride")
-            dst = view.data_ptr() + pages[i] * view.stride(0)
-            groups.setdefault((rb, view.stride(1)), []).append((srcs[i] + po, dst, view))
+                raise ValueError(f"plane {j} of layer {layer} has a non-unit row stride")
+            idx = sel[u]
+            s_b = (srcs if idx is None else srcs[idx]) + po
+            d_b = (pages if idx is None else pages[idx]) * view.stride(0) + view.data_ptr()
+            groups.setdefault((rb, view.stride(1)), []).append((s_b, d_b, view))
     base_src = staging.data_ptr()
     for (rb, tok_stride), items in groups.items():
         dst_base_t = items[0][2]
         dst_base = dst_base_t.data_ptr()
-        vals = [rb, tok_stride, base_src, dst_base] + [s for s, _, _ in items] + [d - dst_base for _, d, _ in items]
-        w, dt = _pick_word(vals)
+        s_all = np.concatenate([s for s, _, _ in items])
+        d_all = np.concatenate([d for _, d, _ in items]) - dst_base
+        w, dt = _pick_word_arrays([rb, tok_stride, base_src, dst_base], (s_all, d_all))
         src_w = _word_view(staging, w, dt, staging.numel())
         dst_w = _word_view(dst_base_t, w, dt)
         dev = staging.device
-        s_off = torch.tensor([s // w for s, _, _ in items], dtype=torch.int64, device=dev)
-        d_off = torch.tensor([(d - dst_base) // w for _, d, _ in items], dtype=torch.int64, device=dev)
+        s_off = torch.from_numpy(s_all // w).to(dev)
+        d_off = torch.from_numpy(d_all // w).to(dev)
         plane_words = P * rb // w
         blk = min(block, triton.next_power_of_2(plane_words))
-        grid = (len(items), triton.cdiv(plane_words, blk))
+        grid = (int(s_all.shape[0]), triton.cdiv(plane_words, blk))
         _scatter_rows_kernel[grid](src_w, dst_w, s_off, d_off, plane_words, rb // w, tok_stride // w, BLOCK=blk)
+
+
+def _pick_word_arrays(values, arrays) -> tuple[int, torch.dtype]:
+    """Widest word (8/4/2/1 bytes) dividing every int in ``values`` and every entry of the int64
+    ``arrays``."""
+    for w, dt in _WORDS:
+        if all(v % w == 0 for v in values) and all(not (a % w).any() for a in arrays):
+            return w, dt
+    return 1, torch.uint8  # pragma: no cover - w=1 always divides
 
 
 def resolve_impl(impl: str, device: torch.device) -> str:

@@ -108,3 +108,86 @@ def test_empty_plan_and_bad_arguments():
         plan_reads([ch(0)], gap_bytes=0, max_io_bytes=100)
     with pytest.raises(ValueError, match="bad chunk"):
         plan_reads([ch(-1)], gap_bytes=0, max_io_bytes=4096)
+
+
+# ---------------------------------------------------------------- vectorized planning (ChunkBatch)
+import random  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+from flatcake.cio import ChunkBatch, MergedRead, PlannedChunk  # noqa: E402
+
+
+def _scalar_plan(chunks, gap_bytes, max_io_bytes, align):
+    """The per-chunk merge loop the vectorized planner replaced (the rules of the module
+    docstring, one chunk at a time): [(file, offset, nbytes, min_layer, [(tag, offset_in_read)])]."""
+    items = sorted(chunks, key=lambda c: (c.file_index, c.offset, c.nbytes, c.tag))
+    reads, cur = [], []
+    cur_file = cur_end = cur_a0 = 0
+
+    def close():
+        a1 = -(-cur_end // align) * align
+        reads.append((cur_file, cur_a0, a1 - cur_a0, min(c.layer for c in cur),
+                      [(c.tag, c.offset - cur_a0) for c in cur]))
+
+    for c in items:
+        off, end = c.offset, c.offset + c.nbytes
+        if cur and c.file_index == cur_file:
+            gap = off - cur_end
+            if gap <= 0 or gap < gap_bytes or off - off % align < -(-cur_end // align) * align:
+                new_end = max(end, cur_end)
+                if -(-new_end // align) * align - cur_a0 <= max_io_bytes:
+                    cur.append(c)
+                    cur_end = new_end
+                    continue
+        if cur:
+            close()
+        cur, cur_file, cur_end, cur_a0 = [c], c.file_index, end, off - off % align
+    if cur:
+        close()
+    return reads
+
+
+def test_vectorized_plan_matches_the_per_chunk_merge_loop():
+    rng = random.Random(7)
+    for it in range(600):
+        mixed = rng.random() < 0.4  # mixed sizes with overlaps: non-monotonic ends (scalar fallback)
+        chunks = []
+        for t in range(rng.randint(1, 40)):
+            nb = rng.choice([512, 3000, 4096, 16384, 100_000]) if mixed else (4096 if it % 2 else 3000)
+            off = rng.randint(0, 200_000) if rng.random() < 0.5 else rng.randint(0, 50) * nb
+            chunks.append(ChunkRead(rng.randint(0, 2), off, nb, rng.randint(0, 9), rng.randint(0, 5), t, None))
+        gap = rng.choice([0, 4096, 64 * KIB])
+        mx = rng.choice([4096, 8192, 64 * KIB, 1 << 20])
+        al = rng.choice([4096, 512, 1])
+        plan = plan_reads(chunks, gap_bytes=gap, max_io_bytes=mx, align=al)
+        got = [(r.file_index, r.offset, r.nbytes, r.min_layer, [(pc.chunk.tag, pc.offset_in_read) for pc in r.chunks])
+               for r in plan.reads]
+        assert got == _scalar_plan(chunks, gap, mx, al), (it, chunks, gap, mx, al)
+        assert plan.bytes_read == sum(r.nbytes for r in plan.reads)
+        assert plan.bytes_over_read == max(0, plan.bytes_read - sum(c.nbytes for c in chunks))  # overlaps: 0
+        assert plan.pages == len({c.page for c in chunks}) and plan.chunks == len(chunks)
+
+
+def test_chunk_batch_round_trip_and_plan_index_arrays():
+    chunks = [ChunkRead(0, (l * 8 + p) * 16 * KIB, 16 * KIB, p, l, p, (p * 31 + l) if p % 2 else None)
+              for l in range(3) for p in range(8)][::-1]
+    batch = ChunkBatch.from_chunks(chunks)
+    assert len(batch) == 24 and batch.nbytes == 16 * KIB
+    assert batch.file_index.dtype == np.int64 and batch.checksum.dtype == np.uint64
+    assert batch.to_chunks() == chunks
+    assert list(batch.has_checksum) == [c.checksum is not None for c in chunks]
+    p_list = plan_reads(chunks, gap_bytes=0, max_io_bytes=64 * KIB)
+    p_batch = plan_reads(batch, gap_bytes=0, max_io_bytes=64 * KIB)
+    assert [r.chunks for r in p_list.reads] == [r.chunks for r in p_batch.reads]
+    for r in p_batch.reads:
+        assert r.batch is batch and r.index.dtype == np.int64 and r.offsets.dtype == np.int64
+        assert [pc.chunk for pc in r.chunks] == [chunks[i] for i in r.index.tolist()]
+        assert (r.offsets == batch.offset[r.index] - r.offset).all()
+        assert r.num_chunks == len(r.chunks) == 4
+    # the old constructor (a tuple of PlannedChunk) still works
+    r = MergedRead(0, 0, 32 * KIB, (PlannedChunk(chunks[0], 0), PlannedChunk(chunks[1], 16 * KIB)), 2)
+    assert [pc.chunk for pc in r.chunks] == chunks[:2] and r.min_layer == 2
+    assert len(ChunkBatch.from_chunks([])) == 0
+    with pytest.raises(ValueError, match="entries"):
+        ChunkBatch([0, 1], [0, 1], [0], [0, 0], [0, 1], 4096)

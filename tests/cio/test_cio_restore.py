@@ -351,3 +351,28 @@ def test_restore_with_triton_scatter_matches_torch(ext4_dir):
         out.append(kv_bytes(pool))
     assert torch.equal(out[0], out[1])
     assert torch.equal(out[0], reference("mla", "page_first_direct", 4, data, chunks))
+
+
+def test_restore_accepts_a_chunk_batch_with_the_same_result(ext4_dir):
+    from flatcake.cio import ChunkBatch
+
+    pool, lay = make_pool("mha", "page_first", pages=N)
+    cb = lay.geometry.chunk_bytes
+    data = write_extent(os.path.join(ext4_dir, "f0"), N, LAYERS, cb, seed=41, base=700)
+    chunks = extent_chunks(data, 0, N, LAYERS, cb, base=700)
+    k = next(i for i, c in enumerate(chunks) if c.page == 3 and c.layer == 1)
+    c = chunks[k]
+    chunks[k] = ChunkRead(c.file_index, c.offset, c.nbytes, c.page, c.layer, c.tag, c.checksum ^ 1)  # bad sum
+    chunks[0] = ChunkRead(*[getattr(chunks[0], f) for f in ("file_index", "offset", "nbytes", "page", "layer",
+                                                             "tag")], None)  # no sum
+    batch = ChunkBatch.from_chunks(chunks)
+    with engine(ext4_dir, cb, staging_bytes=8192, max_io_bytes=8192) as eng:
+        rep = eng.restore(batch, lay)
+    assert rep.failed_tags == frozenset({3})
+    # only the (page 3, layer 1) chunk is withheld: the page's other layers were delivered
+    assert torch.equal(kv_bytes(pool), reference("mha", "page_first", N, data, chunks[:k] + chunks[k + 1:]))
+    with engine(ext4_dir, cb) as eng:
+        with pytest.raises(ValueError, match="outside layout"):
+            eng.restore(ChunkBatch([0], [0], [N], [0], [5], cb), lay)
+        with pytest.raises(ValueError, match="nbytes"):
+            eng.restore(ChunkBatch([0, 0], [0, cb], [0, 1], [0, 0], [5, 6], [cb, cb + 1]), lay)
