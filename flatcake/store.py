@@ -446,7 +446,7 @@ class PageStore:
             st = self.stats
             st.ssd_read_bytes += rep.bytes_read
             st.ssd_over_read_bytes += rep.bytes_over_read
-            st.ssd_read_ops += rep.merged_reads
+            st.ssd_read_ops += rep.io_requests
             st.merged_reads += rep.merged_reads
             st.ssd_read_s += rep.read_s
         return min(rep.failed_tags) if rep.failed_tags else len(entries)

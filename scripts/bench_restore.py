@@ -214,7 +214,10 @@ class Bench:
             assert all(ok), f"flatcake batch_get_v1 missed from page {a + ok.index(False)}"
         after = self.fc.flatcake_stats()
         assert after["hit_pages_ssd"] - before["hit_pages_ssd"] == self.pages, "pages did not come from SSD"
-        return after["ssd_read_ops"] - before["ssd_read_ops"]
+        # read ops = FC-CIO's merged reads (one contiguous device range each); the engine cuts
+        # each into up to io_workers parallel preadv pieces, reported as io_requests
+        self.fc_io_requests = after["ssd_read_ops"] - before["ssd_read_ops"]
+        return after["merged_reads"] - before["merged_reads"]
 
     def read_hicache_file(self) -> int:
         for a in range(0, self.pages, ROUND_PAGES):
@@ -276,7 +279,10 @@ class Bench:
         wall, cpu = time.perf_counter() - t0, cpu_seconds() - c0
         if verify:
             assert pool_digest(self.pool) == self.digest, f"{name}: restored bytes differ"
-        return {"gb_per_s": self.bytes / wall / 1e9, "read_ops": ops, "cpu_s": cpu, "wall_s": wall}
+        out = {"gb_per_s": self.bytes / wall / 1e9, "read_ops": ops, "cpu_s": cpu, "wall_s": wall}
+        if name == "flatcake":
+            out["io_requests"] = self.fc_io_requests
+        return out
 
     def close(self) -> None:
         for be in (getattr(self, "fc", None),):

@@ -129,6 +129,8 @@ class RestoreReport:
         engine: ``"posix"`` or ``"kvikio"``.
         wait_s: seconds spent waiting for a free staging window.
         batches: staging batches (pipeline steps) used.
+        io_requests: read system calls / cuFile reads issued (a merged read is cut into up to
+            ``io_workers`` pieces read in parallel).
     """
 
     failed_tags: frozenset[int]
@@ -141,6 +143,7 @@ class RestoreReport:
     engine: str
     wait_s: float = 0.0
     batches: int = 0
+    io_requests: int = 0
 
 
 class RestoreEngine:
@@ -307,12 +310,15 @@ class RestoreEngine:
         t0 = time.perf_counter()
         failed: set[int] = set()
         pending = cur = None
+        io_requests = 0
         try:
             pending = self._submit(batches[0], win, 0, layout)
+            io_requests += len(pending.pieces)
             for i in range(len(batches)):
                 nxt = None
                 if i + 1 < len(batches):
                     nxt = self._submit(batches[i + 1], win, (i + 1) % 2, layout)
+                    io_requests += len(nxt.pieces)
                 cur, pending = pending, nxt
                 self._finish_batch(cur, win, i % 2, layout, failed)
                 cur = None
@@ -339,6 +345,7 @@ class RestoreEngine:
             engine=self.engine_name,
             wait_s=t0 - t_wait,
             batches=len(batches),
+            io_requests=io_requests,
         )
 
     def _submit(self, batch: list[MergedRead], win, b: int, layout):
