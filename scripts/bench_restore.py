@@ -52,6 +52,7 @@ import torch  # noqa: E402
 import xxhash  # noqa: E402
 
 from flatcake.adapter.host_pool import MHAHostPoolDouble  # noqa: E402
+from flatcake.media.ssd import drop_page_cache  # noqa: E402
 
 ALIGN = 4096
 ROUND_PAGES = 128  # SGLang backs up / prefetches at most 128 pages per call
@@ -75,12 +76,7 @@ def cpu_seconds() -> float:
 
 def drop_cache(path: str) -> None:
     """Push ``path``'s dirty pages to disk and evict it from the page cache."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fdatasync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
+    drop_page_cache(path)
 
 
 def drop_tree(d: str) -> int:

@@ -48,6 +48,7 @@ from flatcake.cio.engines import split_pieces  # noqa: E402
 from flatcake.config import CioConfig  # noqa: E402
 from flatcake.kernels.scatter import scatter_chunks  # noqa: E402
 from flatcake.layout import KvPageLayout  # noqa: E402
+from flatcake.media.ssd import drop_page_cache  # noqa: E402
 
 GB = 1e9
 
@@ -59,12 +60,7 @@ def sync(device: str) -> None:
 
 
 def drop_cache(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fdatasync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
+    drop_page_cache(path)
 
 
 def write_random(path: str, nbytes: int, seed: int) -> None:

@@ -57,6 +57,23 @@ class Extent:
         return self.offset + self.nbytes
 
 
+def drop_page_cache(path: str, sync: bool = True) -> bool:
+    """Evict ``path`` from the OS page cache (after ``fdatasync`` when ``sync``), so the next
+    read of it comes from the device. Used by benchmarks and the replay to measure cold reads.
+    Returns False if the file cannot be opened."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        if sync:
+            os.fdatasync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        return True
+    finally:
+        os.close(fd)
+
+
 def probe_direct_io(directory: str) -> bool:
     """True if ``directory``'s filesystem accepts 4 KiB-aligned O_DIRECT reads and writes."""
     if not hasattr(os, "O_DIRECT"):

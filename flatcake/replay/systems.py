@@ -38,6 +38,7 @@ from typing import Any, Mapping, Optional
 
 import torch
 
+from flatcake.media.ssd import drop_page_cache
 from flatcake.replay.engine import ModelProfile
 
 log = logging.getLogger(__name__)
@@ -186,14 +187,7 @@ class FileSystem(L3System):
         if sync:
             os.sync()
         for k in keys:
-            try:
-                fd = os.open(self._path(k), os.O_RDONLY)
-            except OSError:
-                continue
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
+            drop_page_cache(self._path(k), sync=False)  # os.sync() above flushed them
 
     def get(self, keys, host_indices, prefix_keys):
         pool, P = self.pool, self.page_size
