@@ -141,6 +141,13 @@ class FlatCakeStorage(HiCacheStorage):
             log.error("flatcake: called before register_mem_pool_host; every call is a miss")
         return False
 
+    def _v1_page_ids(self, keys: List[str], host_indices: torch.Tensor) -> Optional[list]:
+        """Host page numbers for a zero-copy call, or ``None`` when there is nothing to do
+        (not registered yet, no keys, or unusable ``host_indices``)."""
+        if not self._ready() or not keys:
+            return None
+        return self._page_ids(host_indices, len(keys))
+
     def _page_ids(self, host_indices: torch.Tensor, n: int) -> Optional[list]:
         """Host page numbers of ``n`` pages, or ``None`` (logged once) unless ``host_indices``
         holds exactly ``n`` whole, page-aligned pages of token slots."""
@@ -181,9 +188,7 @@ class FlatCakeStorage(HiCacheStorage):
         token slots, page ``i`` at ``host_indices[i * page_size]``). Returns per-page success;
         only the leading run is True. Never raises."""
         try:
-            if not self._ready() or not keys:
-                return [False] * len(keys)
-            ids = self._page_ids(host_indices, len(keys))
+            ids = self._v1_page_ids(keys, host_indices)
             if ids is None:
                 return [False] * len(keys)
             t0 = _now()
@@ -200,9 +205,7 @@ class FlatCakeStorage(HiCacheStorage):
         try:
             if not self.is_writer:
                 return [True] * len(keys)
-            if not self._ready() or not keys:
-                return [False] * len(keys)
-            ids = self._page_ids(host_indices, len(keys))
+            ids = self._v1_page_ids(keys, host_indices)
             if ids is None:
                 return [False] * len(keys)
             t0 = _now()
