@@ -269,7 +269,7 @@ class PageStore:
         """
         out = [False] * len(keys)
         pinned: list[SessionScope] = []
-        unreadable: Optional[SessionScope] = None
+        unreadable: Optional[PageEntry] = None
         try:
             entries = []
             for k in keys:
@@ -307,7 +307,7 @@ class PageStore:
                 if bad < n:
                     self.stats.get_failures += 1
             if bad < n:
-                unreadable = entries[bad].scope
+                unreadable = entries[bad]
             return out
         except Exception as e:
             self.errors("get", e)
@@ -388,15 +388,23 @@ class PageStore:
                     scope.extents = [x for x in scope.extents if x.file_index != file_index]
                     scope.nbytes -= sum(x.nbytes for x in gone)
             try:
+                self.cio.forget_file(file_index)  # the readers' cached fds point at the old inode
                 self.ssd.reset_file_locked(file_index)
             except OSError as e:
                 self.errors("pool file reset", e)
-        log.warning("flatcake: pool file %s was removed behind the backend; its scopes were dropped", self.ssd.path_of(file_index))
+        log.warning("flatcake: pool file %s was removed or truncated behind the backend; its scopes were dropped", self.ssd.path_of(file_index))
 
-    def _drop_unreadable(self, scope: SessionScope) -> None:
-        """A page of ``scope`` could not be read intact (file truncated or removed behind the
-        backend, EIO, checksum mismatch): stop advertising the whole scope, so hit queries stop
-        promising pages that every read would miss. Skipped while another reader pins it."""
+    def _drop_unreadable(self, entry: PageEntry) -> None:
+        """``entry``'s page could not be read intact (file truncated or removed behind the
+        backend, EIO, checksum mismatch): stop advertising its whole scope, so hit queries stop
+        promising pages that every read would miss (skipped while another reader pins it), and
+        let the readers reopen its file by path (it may have been replaced)."""
+        scope = entry.scope
+        if scope.medium == MEDIUM_SSD:
+            try:
+                self.cio.forget_file(decode_gva(entry.gva).offset // self.cfg.ssd.file_bytes)
+            except Exception as e:
+                self.errors("forget file", e)
         with self.index.lock:
             if self._free_scope_locked(scope):
                 log.warning("flatcake: dropped scope %d (%d pages) after a failed read", scope.scope_id, len(scope.keys))
@@ -783,6 +791,11 @@ class PageStore:
             cio_engine=getattr(self.cio, "engine_name", "?"),
         )
         return d
+
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` was called."""
+        return self._gate.closed
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Refuse new operations, wait up to ``timeout_s`` seconds for running ones, then

@@ -133,6 +133,9 @@ class FlatCakeStorage(HiCacheStorage):
             "direct" if self.store.ssd.direct_io else "buffered", getattr(self.store.cio, "engine_name", "?"),
         )
 
+    def _closed(self) -> bool:
+        return self.store is not None and self.store.closed
+
     def _ready(self) -> bool:
         if self.store is not None:
             return True
@@ -204,7 +207,7 @@ class FlatCakeStorage(HiCacheStorage):
         writer (MLA, ``tp_rank != 0``) write nothing and report success. Never raises."""
         try:
             if not self.is_writer:
-                return [True] * len(keys)
+                return [not self._closed()] * len(keys)
             ids = self._v1_page_ids(keys, host_indices)
             if ids is None:
                 return [False] * len(keys)
@@ -246,7 +249,7 @@ class FlatCakeStorage(HiCacheStorage):
         copied before returning). True only if every page is stored."""
         try:
             if not self.is_writer:
-                return True
+                return not self._closed()
             if not self._ready() or not keys:
                 return False
             flat = torch.stack([v.reshape(-1) for v in values])

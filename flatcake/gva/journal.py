@@ -14,8 +14,9 @@ ranks. So the other ranks must see the writer's pages. They share the writer's p
 A follower may read a round the writer has just reclaimed and reused before the RETIRE entry
 arrives; followers therefore always verify chunk checksums, which turns such a read into a
 miss, never other bytes. Entries are 32 bytes and end with an xxh3-64 of the first 24, so a
-torn tail is ignored until it is complete. The writer truncates the journal when it starts;
-a follower that sees the file shrink starts over.
+torn tail is ignored until it is complete. A starting writer renames a fresh journal into
+place; a follower that sees a new inode (or the file shrink) drops what it mirrored and starts
+over.
 """
 
 from __future__ import annotations
@@ -58,7 +59,12 @@ class JournalWriter:
 
     def __init__(self, path: str):
         self.path = path
-        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o644)
+        # A new inode, renamed into place: a follower still holding the previous writer's
+        # journal open sees the inode change and starts over (an in-place truncate could be
+        # refilled past the follower's read offset before it looks again).
+        tmp = f"{path}.{os.getpid()}.tmp"
+        self._fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o644)
+        os.replace(tmp, path)
         self._lock = threading.Lock()
 
     def append(self, e: JournalEntry) -> None:

@@ -36,8 +36,8 @@ log = logging.getLogger("flatcake.ssd")
 
 
 class PoolFileGone(OSError):
-    """A pool file was unlinked behind the backend (e.g. by a tmp cleaner): writes to the open
-    fd would land in an orphan inode that no reader can open."""
+    """A pool file was unlinked or truncated behind the backend (e.g. by a tmp cleaner): writes
+    to the open fd would land in an orphan inode, or next to a hole that reads back as zeros."""
 
 
 class SsdStartupError(RuntimeError):
@@ -323,8 +323,9 @@ class SsdFilePool:
             OSError: the write failed or was short (errno ``EIO`` for short writes).
         """
         fd = self._open_file(file_index)
-        if os.fstat(fd).st_nlink == 0:
-            raise PoolFileGone(errno.ENOENT, "pool file was removed behind the backend", self.path_of(file_index))
+        st = os.fstat(fd)
+        if st.st_nlink == 0 or st.st_size < self.file_bytes:  # unlinked, or truncated: earlier rounds are gone
+            raise PoolFileGone(errno.ENOENT, "pool file was removed or truncated behind the backend", self.path_of(file_index))
         mv = memoryview(buf)
         done = 0
         while done < len(mv):

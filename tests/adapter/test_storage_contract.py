@@ -454,3 +454,53 @@ def test_missing_page_in_the_middle_reads_nothing_past_the_hole(make_backend):
     # pages m0, m1 only: their round's chunks rounded out to 4 KiB blocks (+1 block of skew)
     assert 2 * g.page_bytes <= read <= -(-2 * g.page_bytes // 4096) * 4096 + 4096
     assert be.flatcake_stats()["hit_pages_ssd"] == 2
+
+
+@pytest.mark.parametrize("fault", ["remove", "truncate"])
+def test_replaced_pool_file_never_serves_old_bytes_even_without_checksums(make_backend, fault):
+    """Readers cache fds; a pool file removed (or truncated) and recreated behind the backend
+    must give misses for the old pages and correct bytes for the new ones."""
+    import os
+
+    be, pool = make_backend(extra={"cio.verify_checksums": False, "ssd.file_bytes": 2 << 20, "ssd.max_files": 1})
+    old = [[f"o{s}-{i}" for i in range(3)] for s in range(3)]
+    for s, keys in enumerate(old):
+        _write(be, pool, keys, range(s * 3, s * 3 + 3))
+        assert be.batch_get_v1(keys, slots_of(pool, range(40, 43))) == [True] * 3  # fds now cached
+    path = be.store.ssd.path_of(0)
+    if fault == "remove":
+        os.unlink(path)
+    else:
+        os.truncate(path, 0)
+    new = [[f"n{s}-{i}" for i in range(3)] for s in range(3)]
+    for s, keys in enumerate(new):
+        if _write(be, pool, keys, range(20 + s * 3, 23 + s * 3)) != [True] * 3:  # the first detects the fault
+            assert _write(be, pool, keys, range(20 + s * 3, 23 + s * 3)) == [True] * 3
+    pool.kv_buffer.zero_()
+    for keys in new:
+        assert be.batch_get_v1(keys, slots_of(pool, range(40, 43))) == [True] * 3
+        assert all(page_matches(pool, (40 + i) * pool.page_size, k) for i, k in enumerate(keys))
+    for keys in old:
+        got = be.batch_get_v1(keys, slots_of(pool, range(50, 53)))
+        n = got.index(False) if False in got else 3
+        assert all(page_matches(pool, (50 + i) * pool.page_size, keys[i]) for i in range(n))
+        assert n == 0
+
+
+def test_follower_starts_over_when_the_writer_restarts(make_backend):
+    w1, wpool = make_backend(mla=True, tp_rank=0, tp_size=2)
+    f, fpool = make_backend(mla=True, tp_rank=1, tp_size=2)
+    a = [f"A{i}" for i in range(4)]
+    _write(w1, wpool, a, range(4))
+    assert f.batch_exists(a) == 4
+    w1.close()
+    w2, wpool2 = make_backend(mla=True, tp_rank=0, tp_size=2)  # a restarted writer: a new journal
+    b = [f"B{i}" for i in range(4)]
+    b2 = [f"B2{i}" for i in range(4)]
+    _write(w2, wpool2, b, range(4))
+    _write(w2, wpool2, b2, range(4, 8))
+    assert (f.batch_exists(a), f.batch_exists(b), f.batch_exists(b2)) == (0, 4, 4)
+    assert f.batch_get_v1(b + b2, slots_of(fpool, range(10, 18))) == [True] * 8
+    assert all(page_matches(fpool, (10 + i) * fpool.page_size, k) for i, k in enumerate(b + b2))
+    f.close()
+    assert f.batch_set_v1(b, slots_of(fpool, range(4))) == [False] * 4  # closed: no success reported
