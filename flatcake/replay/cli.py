@@ -160,11 +160,11 @@ def run_replay(cfg: FlatCakeConfig, settings: dict[str, Any], profile: ModelProf
         The summary (also written to ``<out>/summary.json``).
     """
     out = Path(settings["out"])
-    out.mkdir(parents=True, exist_ok=True)
     trace = Path(settings["trace"])
     t0 = time.perf_counter()
     reqs = load_trace(trace, settings["max_requests"], settings["sessions"], settings["session_gap_s"],
                       settings["skip_sessions"], settings["max_context_tokens"])
+    out.mkdir(parents=True, exist_ok=True)  # only once the trace has been read
     keyer = PageKeyer(profile.page_size)
     keys = [keyer.keys(r) for r in reqs]
     hits, total = ideal_hit_rate(keys)

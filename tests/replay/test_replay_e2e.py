@@ -182,3 +182,4 @@ def test_unreadable_trace_exits_2(capsys, tmp_path):
     bad.write_text("this is not json\n")
     rc = main(["--trace", str(bad), "--out", str(tmp_path / "o"), "--no-progress", "--systems", "file"])
     assert rc == 2 and "replay.trace" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
