@@ -484,41 +484,6 @@ def real_cuda_driver() -> bool:
         return False
 
 
-def probe_direct_io(directory: str) -> bool:
-    """Whether ``directory``'s filesystem serves aligned O_DIRECT reads.
-
-    Writes a 4 KiB temporary file, opens it with ``O_DIRECT`` and reads it into an aligned
-    buffer. Returns False on ``EINVAL``/``EOPNOTSUPP`` (or when ``O_DIRECT`` does not exist);
-    True when ``directory`` does not exist yet (the open-time fallback still protects reads).
-    """
-    if not hasattr(os, "O_DIRECT"):
-        return False
-    if not os.path.isdir(directory):
-        return True
-    try:
-        fd0, path = tempfile.mkstemp(prefix=".fc-dio-probe-", dir=directory)
-    except OSError:
-        return True
-    try:
-        os.write(fd0, b"\0" * ALIGN)
-        os.close(fd0)
-        t, arr, m = aligned_host_buffer(ALIGN)
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-        try:
-            return os.preadv(fd, [arr], 0) == ALIGN
-        finally:
-            os.close(fd)
-    except OSError as e:
-        if e.errno in (errno_mod.EINVAL, errno_mod.EOPNOTSUPP):
-            return False
-        return True
-    finally:
-        try:
-            os.unlink(path)
-        except OSError:
-            pass
-
-
 def _kvikio_probe_read(directory: str, device: str) -> None:
     """Write 8 KiB and read it back with kvikio into the staging device; raises on failure."""
     import numpy as np

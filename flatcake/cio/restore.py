@@ -49,13 +49,13 @@ from flatcake.cio.engines import (
     IoPiece,
     KvikioEngine,
     PosixEngine,
-    probe_direct_io,
     select_engine,
     split_pieces,
 )
 from flatcake.cio.plan import ChunkBatch, ChunkRead, MergedRead, batch_reads, plan_reads
 from flatcake.cio.staging import StagingPool
 from flatcake.config import ALIGN, CioConfig
+from flatcake.media.ssd import probe_direct_io
 from flatcake.kernels.scatter import resolve_impl, scatter_chunks
 
 log = logging.getLogger(__name__)
@@ -208,7 +208,9 @@ class RestoreEngine:
             self._engine = KvikioEngine(path_of, cfg.io_workers, errors=self.errors)
         else:
             dio = bool(direct_io)
-            if dio and not probe_direct_io(probe_dir):
+            # a directory that does not exist yet is probed by its creator (the SSD pool);
+            # an open-time EINVAL still falls back to buffered reads
+            if dio and os.path.isdir(probe_dir) and not probe_direct_io(probe_dir):
                 log.warning("FC-CIO: %s refuses O_DIRECT; using buffered reads", probe_dir)
                 dio = False
             self._engine = PosixEngine(path_of, cfg.io_workers, direct_io=dio, errors=self.errors)

@@ -29,6 +29,8 @@ import os
 import threading
 from dataclasses import dataclass
 
+import numpy as np
+
 from flatcake.config import SsdConfig
 from flatcake.media.extent import BLOCK, EXTENT_GRID, align_up, namespace_digest
 
@@ -79,13 +81,13 @@ def probe_direct_io(directory: str) -> bool:
     if not hasattr(os, "O_DIRECT"):
         return False
     path = os.path.join(directory, f".fc-odirect-probe-{os.getpid()}-{threading.get_ident()}")
-    buf = mmap.mmap(-1, BLOCK)
+    buf = np.frombuffer(mmap.mmap(-1, BLOCK), dtype=np.uint8)  # page-aligned, writable
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)
     except OSError:
         return False
     try:
-        buf.write(b"F" * BLOCK)
+        buf[:] = ord("F")
         os.pwritev(fd, [buf], 0)
         return os.preadv(fd, [buf], 0) == BLOCK
     except OSError:
@@ -96,7 +98,6 @@ def probe_direct_io(directory: str) -> bool:
             os.unlink(path)
         except OSError:
             pass
-        buf.close()
 
 
 class _FreeRanges:
