@@ -637,8 +637,7 @@ class PageStore:
                 return None
             ext = self.ssd.allocate_locked(need)
         try:
-            hdr = AlignedBuffer(fmt.BLOCK)
-            view = hdr.reserve(fmt.BLOCK)
+            view = self._scratch(fmt.BLOCK)  # this thread's write buffer; the round reuses it after
             view[:] = fmt.pack_extent_header(self.namespace, self.node, scope.scope_id, len(scope.extents), ext.nbytes)
             self.ssd.write(ext.file_index, ext.offset, view)
             self._count_ssd_write(fmt.BLOCK)
