@@ -27,7 +27,7 @@ from typing import Any, Literal, Mapping, Optional
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
-ALIGN = 4096  # bytes: O_DIRECT / GDS alignment of every SSD offset, length and buffer
+from flatcake.align import ALIGN
 
 #: Keys SGLang passes through the extra config that are not FlatCake settings.
 SGLANG_RESERVED_KEYS = frozenset(
@@ -46,6 +46,20 @@ SGLANG_RESERVED_KEYS = frozenset(
         "tp_lcm_size",
     }
 )
+
+#: The extra-config keys that select FlatCake through SGLang's ``dynamic`` backend — the one
+#: definition the launcher, the replay, the benchmarks and the tests inject. SGLang's dynamic
+#: factory reads the first three; ``interface_v1`` selects the zero-copy
+#: ``batch_get_v1``/``batch_set_v1`` path; ``hicache_storage_pass_prefix_keys`` gives the backend
+#: the key chain it derives a session scope from (paper §3.1, FC-GVA). All of them are in
+#: :data:`SGLANG_RESERVED_KEYS`.
+FLATCAKE_EXTRA: dict[str, Any] = {
+    "backend_name": "flatcake",
+    "module_path": "flatcake",
+    "class_name": "FlatCakeStorage",
+    "interface_v1": 1,
+    "hicache_storage_pass_prefix_keys": True,
+}
 
 DEFAULT_CONFIG_PATH = Path(__file__).resolve().parent.parent / "configs" / "default.yaml"
 

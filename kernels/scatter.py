@@ -39,12 +39,12 @@ try:  # Triton is optional: CPU-only installs may lack it
     import triton
     import triton.language as tl
 
-    _HAVE_TRITON = True
+    HAVE_TRITON = True  #: triton imports (a CPU run still needs TRITON_INTERPRET=1)
 except Exception:  # noqa: BLE001
-    _HAVE_TRITON = False
+    HAVE_TRITON = False
 
 
-if _HAVE_TRITON:
+if HAVE_TRITON:
 
     @triton.jit
     def _scatter_rows_kernel(
@@ -72,7 +72,7 @@ if _HAVE_TRITON:
 def triton_available(device: torch.device) -> bool:
     """Whether the Triton kernel can run for tensors on ``device``: CUDA, or CPU with
     ``TRITON_INTERPRET=1`` set before Triton was imported."""
-    if not _HAVE_TRITON:
+    if not HAVE_TRITON:
         return False
     if device.type == "cuda":
         return True
@@ -146,7 +146,7 @@ def _torch_scatter(staging, src_offsets, layout, page_ids, layer_ids) -> None:
             if on_cpu:
                 _numpy_copy(snp, view.numpy(), s0, k, P, rb, cb, p, consecutive)
                 continue
-            w, dt = _pick_word([s0, rb, cb, sbase, view.data_ptr(), view.stride(0), view.stride(1)])
+            w, dt = word_width([s0, rb, cb, sbase, view.data_ptr(), view.stride(0), view.stride(1)])
             dst = _word_plane(view, w, dt)
             try:
                 sw = staging if w == 1 else staging[: staging.numel() - staging.numel() % w].view(dt)
@@ -177,13 +177,6 @@ def _numpy_copy(snp, dnp, s0: int, k: int, P: int, rb: int, cb: int, p, consecut
         dst[p0 : p0 + k] = src
     else:
         dst[np.asarray(p, dtype=np.int64)] = src
-
-
-def _pick_word(values) -> tuple[int, torch.dtype]:
-    for w, dt in _WORDS:
-        if all(v % w == 0 for v in values):
-            return w, dt
-    return 1, torch.uint8  # pragma: no cover - w=1 always divides
 
 
 def _word_view(t: torch.Tensor, w: int, dt: torch.dtype, numel_bytes: Optional[int] = None) -> torch.Tensor:
@@ -228,7 +221,7 @@ def _triton_scatter(staging, src_offsets, layout, page_ids, layer_ids, block: in
         dst_base = dst_base_t.data_ptr()
         s_all = np.concatenate([s for s, _, _ in items])
         d_all = np.concatenate([d for _, d, _ in items]) - dst_base
-        w, dt = _pick_word_arrays([rb, tok_stride, base_src, dst_base], (s_all, d_all))
+        w, dt = word_width([rb, tok_stride, base_src, dst_base], (s_all, d_all))
         src_w = _word_view(staging, w, dt, staging.numel())
         dst_w = _word_view(dst_base_t, w, dt)
         dev = staging.device
@@ -240,9 +233,17 @@ def _triton_scatter(staging, src_offsets, layout, page_ids, layer_ids, block: in
         _scatter_rows_kernel[grid](src_w, dst_w, s_off, d_off, plane_words, rb // w, tok_stride // w, BLOCK=blk)
 
 
-def _pick_word_arrays(values, arrays) -> tuple[int, torch.dtype]:
-    """Widest word (8/4/2/1 bytes) dividing every int in ``values`` and every entry of the int64
-    ``arrays``."""
+def word_width(values, arrays=()) -> tuple[int, torch.dtype]:
+    """Widest copy word dividing every byte offset, stride and length given.
+
+    Args:
+        values: ints (bytes: offsets, strides, row lengths, data pointers).
+        arrays: int64 numpy arrays of byte offsets, every entry of which must be divisible too.
+
+    Returns:
+        ``(bytes, dtype)``: ``(8, torch.int64)``, ``(4, torch.int32)``, ``(2, torch.int16)`` or
+        ``(1, torch.uint8)``.
+    """
     for w, dt in _WORDS:
         if all(v % w == 0 for v in values) and all(not (a % w).any() for a in arrays):
             return w, dt
@@ -256,7 +257,7 @@ def resolve_impl(impl: str, device: torch.device) -> str:
         ValueError: unknown ``impl``.
     """
     if impl == "auto":
-        return "triton" if (device.type == "cuda" and _HAVE_TRITON) else "torch"
+        return "triton" if (device.type == "cuda" and HAVE_TRITON) else "torch"
     if impl not in ("torch", "triton", "reference"):
         raise ValueError(f"unknown scatter impl {impl!r}")
     return impl

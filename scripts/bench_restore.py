@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import mmap
 import os
 import random
 import resource
@@ -52,10 +51,15 @@ import torch  # noqa: E402
 import xxhash  # noqa: E402
 
 from flatcake.adapter.host_pool import MHAHostPoolDouble  # noqa: E402
+from flatcake.align import align_up  # noqa: E402
+from flatcake.cio.staging import aligned_host_buffer  # noqa: E402
+from flatcake.config import FLATCAKE_EXTRA  # noqa: E402
+from flatcake.layout import SUPPORTED_LAYOUTS  # noqa: E402
 from flatcake.media.ssd import drop_page_cache  # noqa: E402
+from flatcake.replay.systems import storage_config  # noqa: E402
 
-ALIGN = 4096
 ROUND_PAGES = 128  # SGLang backs up / prefetches at most 128 pages per call
+SYSTEMS = ("flatcake", "hicache_file", "scattered", "sequential")
 
 #: Model profiles: (layers, kv_heads, head_dim, dtype bytes). KV per token per layer = 2*H*D*bytes.
 PROFILES = {
@@ -74,36 +78,22 @@ def cpu_seconds() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def drop_cache(path: str) -> None:
-    """Push ``path``'s dirty pages to disk and evict it from the page cache."""
-    drop_page_cache(path)
-
-
 def drop_tree(d: str) -> int:
     n = 0
     for root, _, files in os.walk(d):
         for f in files:
-            drop_cache(os.path.join(root, f))
+            drop_page_cache(os.path.join(root, f))
             n += 1
     return n
 
 
 def aligned(nbytes: int) -> np.ndarray:
-    m = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    return np.frombuffer(m, dtype=np.uint8)
+    """A page-aligned host buffer of at least ``nbytes`` (for O_DIRECT reads)."""
+    return aligned_host_buffer(align_up(nbytes))[1]
 
 
 def pool_digest(pool) -> int:
     return xxhash.xxh3_64_intdigest(pool.kv_buffer.view(torch.uint8).numpy())
-
-
-def storage_config(extra: dict):
-    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
-
-    return HiCacheStorageConfig(
-        tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1, is_mla_model=False,
-        enable_storage_metrics=False, is_page_first_layout=True, model_name="bench/model", extra_config=extra,
-    )
 
 
 class Bench:
@@ -146,13 +136,12 @@ class Bench:
 
         d = os.path.join(self.dir, "flatcake")
         extra = {
-            "backend_name": "flatcake", "module_path": "flatcake", "class_name": "FlatCakeStorage",
-            "interface_v1": 1, "ssd.path": d, "ssd.max_files": max(8, 2 * self.bytes // (256 << 20) + 4),
+            **FLATCAKE_EXTRA, "ssd.path": d, "ssd.max_files": max(8, 2 * self.bytes // (256 << 20) + 4),
             "cio.io_workers": self.args.io_workers,
             "cio.staging_bytes": self.args.staging_bytes,
             "cio.verify_checksums": not self.args.no_verify,
         }
-        be = StorageBackendFactory.create_backend("dynamic", storage_config(extra), None)
+        be = StorageBackendFactory.create_backend("dynamic", storage_config(extra, model="bench/model", layout=self.args.layout), None)
         be.register_mem_pool_host(self.pool)
         for a in range(0, self.pages, ROUND_PAGES):
             b = min(self.pages, a + ROUND_PAGES)
@@ -167,7 +156,7 @@ class Bench:
         from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 
         d = os.path.join(self.dir, "hicache_file")
-        be = StorageBackendFactory.create_backend("file", storage_config({"file_storage_path": d}), None)
+        be = StorageBackendFactory.create_backend("file", storage_config({"file_storage_path": d}, model="bench/model", layout=self.args.layout), None)
         for a in range(0, self.pages, ROUND_PAGES):
             b = min(self.pages, a + ROUND_PAGES)
             vals = [self.pool.get_data_page(i * self.P, flat=True) for i in range(a, b)]
@@ -198,8 +187,8 @@ class Bench:
     def drop_all(self) -> None:
         drop_tree(self.fc_dir)
         drop_tree(self.hf_dir)
-        drop_cache(self.sc_path)
-        drop_cache(self.seq_path)
+        drop_page_cache(self.sc_path)
+        drop_page_cache(self.seq_path)
 
     # ------------------------------------------------------------------ reads
     def read_flatcake(self) -> int:
@@ -255,7 +244,7 @@ class Bench:
         ops = done = 0
         try:
             while done < self.bytes:
-                k = os.preadv(fd, [buf[: min(step, -(-(self.bytes - done) // ALIGN) * ALIGN)]], done)
+                k = os.preadv(fd, [buf[: min(step, align_up(self.bytes - done))]], done)
                 ops += 1
                 if k <= 0:
                     break
@@ -288,17 +277,17 @@ class Bench:
             shutil.rmtree(self.dir, ignore_errors=True)
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=32768, help="session length in tokens (default 32768)")
     ap.add_argument("--profile", choices=sorted(PROFILES), default="llama3.2-1b")
     ap.add_argument("--page-size", type=int, default=None, help="tokens per page (default: the profile's)")
-    ap.add_argument("--layout", default="page_first", choices=["layer_first", "page_first", "page_first_direct"])
+    ap.add_argument("--layout", default="page_first", choices=list(SUPPORTED_LAYOUTS))
     ap.add_argument("--io-workers", type=int, default=8, help="I/O threads for flatcake and scattered")
     ap.add_argument("--staging-bytes", type=int, default=0,
                     help="flatcake cio.staging_bytes per buffer (0 = auto: one layer of 128 pages, at least 32 MiB)")
     ap.add_argument("--no-verify", action="store_true", help="flatcake: skip the per-chunk xxh3 check")
-    ap.add_argument("--systems", default="flatcake,hicache_file,scattered,sequential",
+    ap.add_argument("--systems", default=",".join(SYSTEMS),
                     help="comma-separated subset to read (all four are always written)")
     ap.add_argument("--torch-threads", type=int, default=1,
                     help="torch intra-op threads (default 1: on a shared 2-core machine the 2-thread "
@@ -310,45 +299,48 @@ def main(argv=None) -> int:
     ap.add_argument("--keep", action="store_true", help="keep the written files")
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    if args.torch_threads > 0:
-        torch.set_num_threads(args.torch_threads)
-
-    names = [n for n in args.systems.split(",") if n]
-    unknown = set(names) - {"flatcake", "hicache_file", "scattered", "sequential"}
+    args.names = [n for n in args.systems.split(",") if n]
+    unknown = set(args.names) - set(SYSTEMS)
     if unknown:
         ap.error(f"unknown systems {sorted(unknown)}")
-    t_start = time.perf_counter()
-    b = Bench(args)
-    try:
-        print(f"profile {args.profile}: {b.L} layers, page {b.P} tokens = {b.page_bytes} B "
-              f"(chunk {b.chunk_bytes} B), {b.pages} pages, {b.bytes / 2**20:.0f} MiB per system, dir {b.dir}")
-        wt = {}
-        for n in ("flatcake", "hicache_file", "scattered", "sequential"):
-            t = time.perf_counter()
-            getattr(b, f"write_{n}")()
-            wt[n] = round(time.perf_counter() - t, 1)
-        print(f"written (s): {wt}; flatcake engine: {b.fc.flatcake_stats().get('cio_engine')}")
-        passes = []
-        for k in range(-args.warmup, args.passes):
-            order = names[k % len(names):] + names[: k % len(names)]
-            res = {n: b.measure(n) for n in order}
-            if k < 0:
-                print("warm-up pass (discarded): " + ", ".join(f"{n} {res[n]['gb_per_s']:.2f}" for n in names))
-                continue
-            passes.append(res)
-            print(f"pass {k}: " + ", ".join(f"{n} {res[n]['gb_per_s']:.2f} GB/s ({res[n]['read_ops']} ops, "
-                                             f"{res[n]['cpu_s']:.2f} cpu-s)" for n in names))
-    finally:
-        b.close()
+    return args
 
+
+def run_passes(b: Bench, args) -> list[dict]:
+    """Write every system once, then read each system once per pass (rotating their order);
+    the first ``--warmup`` passes are discarded. Returns the measured passes."""
+    names = args.names
+    print(f"profile {args.profile}: {b.L} layers, page {b.P} tokens = {b.page_bytes} B "
+          f"(chunk {b.chunk_bytes} B), {b.pages} pages, {b.bytes / 2**20:.0f} MiB per system, dir {b.dir}")
+    wt = {}
+    for n in SYSTEMS:
+        t = time.perf_counter()
+        getattr(b, f"write_{n}")()
+        wt[n] = round(time.perf_counter() - t, 1)
+    print(f"written (s): {wt}; flatcake engine: {b.fc.flatcake_stats().get('cio_engine')}")
+    passes = []
+    for k in range(-args.warmup, args.passes):
+        order = names[k % len(names):] + names[: k % len(names)]
+        res = {n: b.measure(n) for n in order}
+        if k < 0:
+            print("warm-up pass (discarded): " + ", ".join(f"{n} {res[n]['gb_per_s']:.2f}" for n in names))
+            continue
+        passes.append(res)
+        print(f"pass {k}: " + ", ".join(f"{n} {res[n]['gb_per_s']:.2f} GB/s ({res[n]['read_ops']} ops, "
+                                         f"{res[n]['cpu_s']:.2f} cpu-s)" for n in names))
+    return passes
+
+
+def summarize(b: Bench, args, passes: list[dict], argv, t_start: float) -> dict:
+    """Per-system medians over the passes and the medians of the per-pass ratios."""
+    names = args.names
     med = {n: {m: statistics.median(p[n][m] for p in passes) for m in ("gb_per_s", "read_ops", "cpu_s", "wall_s")}
            for n in names}
     ratio = {n: statistics.median(p[n]["gb_per_s"] / p["sequential"]["gb_per_s"] for p in passes)
              for n in names} if "sequential" in names else {}
     speedup = statistics.median(p["flatcake"]["gb_per_s"] / p["hicache_file"]["gb_per_s"] for p in passes) \
         if {"flatcake", "hicache_file"} <= set(names) else None
-    out = {
+    return {
         "tokens": b.tokens,
         "bytes": b.bytes,
         "systems": med,
@@ -365,6 +357,20 @@ def main(argv=None) -> int:
         "runtime_s": time.perf_counter() - t_start,
         "command": " ".join([Path(sys.argv[0]).name] + (argv if argv is not None else sys.argv[1:])),
     }
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if args.torch_threads > 0:
+        torch.set_num_threads(args.torch_threads)
+    t_start = time.perf_counter()
+    b = Bench(args)
+    try:
+        passes = run_passes(b, args)
+    finally:
+        b.close()
+    out = summarize(b, args, passes, argv, t_start)
     print(json.dumps({k: out[k] for k in ("ratio_to_sequential", "speedup_vs_hicache_file", "read_ops_bound")}))
     print(f"cpu-s/GB {json.dumps({n: round(v, 3) for n, v in out['cpu_s_per_gb'].items()})}; "
           f"runtime {out['runtime_s']:.0f} s")

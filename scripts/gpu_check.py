@@ -42,9 +42,9 @@ sys.path.insert(0, str(ROOT))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from flatcake.cio import ChunkRead, RestoreEngine  # noqa: E402
+from flatcake.cio import ChunkBatch, RestoreEngine  # noqa: E402
 from flatcake.cio.plan import batch_reads, plan_reads  # noqa: E402
-from flatcake.cio.engines import split_pieces  # noqa: E402
+from flatcake.cio.staging import aligned_host_buffer  # noqa: E402
 from flatcake.config import CioConfig  # noqa: E402
 from flatcake.kernels.scatter import scatter_chunks  # noqa: E402
 from flatcake.layout import KvPageLayout  # noqa: E402
@@ -59,10 +59,6 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def drop_cache(path: str) -> None:
-    drop_page_cache(path)
-
-
 def write_random(path: str, nbytes: int, seed: int) -> None:
     rng = np.random.default_rng(seed)
     block = rng.integers(0, 256, min(nbytes, 64 << 20), dtype=np.uint8)
@@ -73,7 +69,7 @@ def write_random(path: str, nbytes: int, seed: int) -> None:
             f.write(block[:k].tobytes())
             block = np.roll(block, 4099)
             done += k
-    drop_cache(path)
+    drop_page_cache(path)
 
 
 def device_kv(layers: int, slots: int, heads: int, dim: int, mla: bool, device: str, dtype=torch.bfloat16):
@@ -193,6 +189,59 @@ def kvikio_read(device: str, workdir: str, nbytes: int) -> dict:
 
 
 # ----------------------------------------------------------------------------- 4./5. restore + overlap
+def _rounds(pages: int, round_pages: int, layers: int, cb: int) -> list[ChunkBatch]:
+    """One :class:`ChunkBatch` per round of ``round_pages`` pages, layer-major inside the round
+    (as FlatCake writes them): chunk (page i, layer l) of the round at ``base + (l*n + i) * cb``."""
+    calls = []
+    for r0 in range(0, pages, round_pages):
+        n = min(round_pages, pages - r0)
+        lay_ids = np.repeat(np.arange(layers, dtype=np.int64), n)
+        i = np.tile(np.arange(n, dtype=np.int64), layers)
+        calls.append(ChunkBatch(np.zeros(n * layers, np.int64), r0 * layers * cb + (lay_ids * n + i) * cb,
+                                r0 + i, lay_ids, i, cb))
+    return calls
+
+
+def _sequential_read_s(eng: RestoreEngine, path: str, total: int, device: str) -> float:
+    """Seconds to read ``total`` bytes of ``path`` in one stream into the staging device."""
+    drop_page_cache(path)
+    t = time.perf_counter()
+    if device.startswith("cuda") and eng.engine_name == "kvikio":
+        import kvikio
+
+        dst = torch.empty(total, dtype=torch.uint8, device=device)
+        f = kvikio.CuFile(path, "r")
+        f.pread(dst, total, 0).get()
+        f.close()
+        torch.cuda.synchronize()
+        del dst
+    else:
+        buf = aligned_host_buffer(16 << 20)[1]
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+        got = 0
+        while got < total:
+            got += os.preadv(fd, [buf], got)
+        os.close(fd)
+    return time.perf_counter() - t
+
+
+def _bytes_equal(calls: list[ChunkBatch], lay: KvPageLayout, path: str, device: str) -> bool:
+    """Device KV against the file, chunk by chunk, one layer of one round at a time."""
+    with open(path, "rb") as fh:
+        data = torch.from_numpy(np.frombuffer(fh.read(), dtype=np.uint8).copy()).to(device)
+    g = lay.geometry
+    cb, P = g.chunk_bytes, g.page_size
+    ok = True
+    for b in calls:
+        for layer in range(g.layers):
+            m = b.layer == layer
+            idx = torch.from_numpy(b.page[m]).to(device)
+            exp = torch.stack([data[o: o + cb] for o in b.offset[m].tolist()])
+            for plane, po, rb in zip(lay.layer_planes(layer), g.plane_offsets(), g.plane_row_bytes):
+                ok &= bool(torch.equal(plane[idx].reshape(len(idx), -1), exp[:, po: po + P * rb]))
+    return ok
+
+
 def restore_check(device: str, workdir: str, dry: bool) -> tuple[dict, dict]:
     """Layer-major prefix on disk → FC-CIO restore into device paged KV; overlap of scatter/reads."""
     if dry:
@@ -205,71 +254,24 @@ def restore_check(device: str, workdir: str, dry: bool) -> tuple[dict, dict]:
     total = pages * L * cb
     path = os.path.join(workdir, "extent.bin")
     write_random(path, total, seed=5)
-    # rounds of 128 pages, layer-major inside a round (as FlatCake writes them)
-    calls = []
-    for r0 in range(0, pages, round_pages):
-        base = r0 * L * cb
-        n = min(round_pages, pages - r0)
-        calls.append([ChunkRead(0, base + (layer * n + i) * cb, cb, r0 + i, layer, i, None)
-                      for layer in range(L) for i in range(n)])
+    calls = _rounds(pages, round_pages, L, cb)
     cfg = CioConfig(io_workers=8, verify_checksums=False)
     eng = RestoreEngine(cfg, lambda i: path, direct_io=True, chunk_bytes=cb, max_pages_per_restore=round_pages,
                         device=device)
     out = {"engine": eng.engine_name, "scatter": eng.scatter_impl, "bytes": total, "chunk_bytes": cb,
            "layers": L, "pages": pages, "staging_bytes_total": eng.staging_total_bytes}
     try:
-        # sequential reference: the same bytes, one stream, into the staging device
-        drop_cache(path)
-        t = time.perf_counter()
-        if device.startswith("cuda") and eng.engine_name == "kvikio":
-            import kvikio
-
-            dst = torch.empty(total, dtype=torch.uint8, device=device)
-            f = kvikio.CuFile(path, "r")
-            got = f.pread(dst, total, 0).get()
-            f.close()
-            torch.cuda.synchronize()
-            del dst
-        else:
-            import mmap
-
-            m = mmap.mmap(-1, 16 << 20)
-            buf = np.frombuffer(m, dtype=np.uint8)
-            fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-            got = 0
-            while got < total:
-                got += os.preadv(fd, [buf], got)
-            os.close(fd)
-        out["sequential_s"] = time.perf_counter() - t
+        out["sequential_s"] = _sequential_read_s(eng, path, total, device)
         out["sequential_gb_per_s"] = total / out["sequential_s"] / GB
-        # FC-CIO restore
-        drop_cache(path)
-        sync(device)
-        t = time.perf_counter()
-        reps = [eng.restore(c, lay) for c in calls]
-        sync(device)
-        t_restore = time.perf_counter() - t
+        t_restore, reps = _timed_restores(eng, calls, lay, path, device, scatter=True)
         out["restore_s"] = t_restore
         out["restore_gb_per_s"] = total / t_restore / GB
         out["ratio_to_sequential"] = out["restore_gb_per_s"] / out["sequential_gb_per_s"]
         out["merged_reads"] = sum(r.merged_reads for r in reps)
         out["failed"] = sum(len(r.failed_tags) for r in reps)
-        # bytes: device KV vs the file, chunk by chunk
-        with open(path, "rb") as fh:
-            data = torch.from_numpy(np.frombuffer(fh.read(), dtype=np.uint8).copy()).to(device)
-        ok = True
-        g = lay.geometry
-        for c0 in calls:
-            for layer in range(L):
-                sel = [c for c in c0 if c.layer == layer]
-                idx = torch.tensor([c.page for c in sel], device=device)
-                exp = torch.stack([data[c.offset : c.offset + cb] for c in sel])
-                for (plane, po, rb) in zip(lay.layer_planes(layer), g.plane_offsets(), g.plane_row_bytes):
-                    ok &= bool(torch.equal(plane[idx].reshape(len(sel), -1), exp[:, po : po + P * rb]))
-        out["bytes_equal"] = ok
-        del data
-        # overlap: reads alone (same plan, same double buffer, no scatter), scatter alone
-        t_reads = _reads_only(eng, calls, path, device)
+        out["bytes_equal"] = _bytes_equal(calls, lay, path, device)
+        # overlap: reads alone (the restore's reads-only mode: same plan and double buffer), scatter alone
+        t_reads, _ = _timed_restores(eng, calls, lay, path, device, scatter=False)
         t_scatter = _scatter_only(eng, calls, lay, device)
         ov = {"t_restore_s": t_restore, "t_reads_only_s": t_reads, "t_scatter_only_s": t_scatter}
         ov["overlap_fraction"] = max(0.0, min(1.0, (t_reads + t_scatter - t_restore) / t_scatter)) if t_scatter > 0 else 0.0
@@ -280,48 +282,28 @@ def restore_check(device: str, workdir: str, dry: bool) -> tuple[dict, dict]:
     return out, ov
 
 
-def _reads_only(eng: RestoreEngine, calls, path: str, device: str) -> float:
-    """Time the restore's reads alone: same plan, batches and double buffer, no scatter."""
-    drop_cache(path)
-    win = eng._pool.acquire()
-    try:
-        t = time.perf_counter()
-        for chunks in calls:
-            plan = plan_reads(chunks, gap_bytes=eng.cfg.gap_bytes, max_io_bytes=eng.max_io_bytes)
-            batches = batch_reads(plan.reads, eng.staging_bytes)
-            pend = None
-            for i, batch in enumerate(batches):
-                pieces, pos = [], 0
-                for r in batch:
-                    pieces += split_pieces(r.file_index, r.offset, r.nbytes, pos, eng.cfg.io_workers)
-                    pos += r.nbytes
-                nxt = eng._engine.submit(pieces, win.buffers[i % 2])
-                if pend is not None:
-                    pend.wait()
-                pend = nxt
-            if pend is not None:
-                pend.wait()
-        sync(device)
-        return time.perf_counter() - t
-    finally:
-        eng._pool.release(win)
+def _timed_restores(eng: RestoreEngine, calls, lay, path: str, device: str, scatter: bool):
+    """Cold-cache restores of every round (``scatter=False``: reads only); ``(seconds, reports)``."""
+    drop_page_cache(path)
+    sync(device)
+    t = time.perf_counter()
+    reps = [eng.restore(c, lay, scatter=scatter) for c in calls]
+    sync(device)
+    return time.perf_counter() - t, reps
 
 
 def _scatter_only(eng: RestoreEngine, calls, lay, device: str) -> float:
-    """Time the scatter alone: every batch's chunks from an (already filled) staging buffer."""
-    buf = eng._pool._windows[0].buffers[0].tensor
+    """Time the scatter alone: every staging batch's chunks from a staging-sized buffer on the
+    device (its contents do not matter for timing), with the restore's plan and batches."""
+    buf = torch.empty(eng.staging_bytes, dtype=torch.uint8, device=device)
     jobs = []
     for chunks in calls:
         plan = plan_reads(chunks, gap_bytes=eng.cfg.gap_bytes, max_io_bytes=eng.max_io_bytes)
         for batch in batch_reads(plan.reads, eng.staging_bytes):
-            offs, pages, layers, pos = [], [], [], 0
-            for r in batch:
-                for pc in r.chunks:
-                    offs.append(pos + pc.offset_in_read)
-                    pages.append(pc.chunk.page)
-                    layers.append(pc.chunk.layer)
-                pos += r.nbytes
-            jobs.append((torch.tensor(offs), torch.tensor(pages), torch.tensor(layers)))
+            starts = np.cumsum([0] + [r.nbytes for r in batch[:-1]])
+            offs = np.concatenate([s0 + r.offsets for s0, r in zip(starts.tolist(), batch)])
+            idx = np.concatenate([r.index for r in batch])
+            jobs.append((torch.from_numpy(offs), torch.from_numpy(chunks.page[idx]), torch.from_numpy(chunks.layer[idx])))
     sync(device)
     t = time.perf_counter()
     for o, p, l in jobs:

@@ -2,29 +2,20 @@
 
 from __future__ import annotations
 
-import os
-
 import torch
 import xxhash
 
 from flatcake.adapter.host_pool import MHAHostPoolDouble, MLAHostPoolDouble
-
-FLATCAKE_EXTRA = {
-    "backend_name": "flatcake",
-    "module_path": "flatcake",
-    "class_name": "FlatCakeStorage",
-    "interface_v1": 1,
-}
+from flatcake.config import FLATCAKE_EXTRA
+from flatcake.replay.systems import storage_config as replay_storage_config
 
 
-def storage_config(extra: dict, *, mla: bool = False, layout: str = "page_first", model: str = "test-model", tp_rank: int = 0, tp_size: int = 1):
-    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
 
-    return HiCacheStorageConfig(
-        tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
-        is_mla_model=mla, enable_storage_metrics=False, is_page_first_layout=layout == "page_first",
-        model_name=model, extra_config={**FLATCAKE_EXTRA, **extra},
-    )
+def storage_config(extra: dict, *, mla: bool = False, layout: str = "page_first", model: str = "test-model",
+                   tp_rank: int = 0, tp_size: int = 1):
+    """SGLang's storage config for one rank, with FlatCake selected through the dynamic backend."""
+    return replay_storage_config({**FLATCAKE_EXTRA, **extra}, model=model, mla=mla, layout=layout,
+                                 tp_rank=tp_rank, tp_size=tp_size)
 
 
 def make_pool(*, mla=False, layout="page_first", dtype=torch.bfloat16, pages=64, page_size=4, layers=3):
@@ -56,3 +47,38 @@ def slots_of(pool, pages):
     """int64 host_indices (token slots) for host pages ``pages``."""
     ps = pool.page_size
     return torch.cat([torch.arange(p * ps, (p + 1) * ps) for p in pages]).to(torch.int64)
+
+
+def write_pages(be, pool, keys, pages, prefix=()):
+    """Fill host pages ``pages`` with ``keys``' bytes and back them up through ``batch_set_v1``
+    with ``prefix_keys=prefix``, as SGLang's backup thread does; returns its per-page result."""
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo
+
+    pages = list(pages)
+    for k, p in zip(keys, pages):
+        fill_page(pool, p * pool.page_size, k)
+    return be.batch_set_v1(keys, slots_of(pool, pages), HiCacheStorageExtraInfo(prefix_keys=list(prefix or [])))
+
+
+def make_store(ssd_dir: str, *, mla=False, layout="page_first", pages=64, page_size=4, layers=3, role="single",
+               **overrides):
+    """A core :class:`~flatcake.store.PageStore` without SGLang: ``(store, pool, kv_layout)`` over a
+    host-pool double; ``overrides`` are dotted config keys (``ssd.file_bytes=...`` as
+    ``**{"ssd.file_bytes": ...}``). Defaults: 4 pool files of 8 MiB, DRAM off."""
+    from flatcake.config import load_config
+    from flatcake.layout import KvPageLayout
+    from flatcake.store import PageStore
+
+    cfg = load_config(None, {"ssd.path": ssd_dir, "ssd.file_bytes": 8 << 20, "ssd.max_files": 4,
+                             "dram.capacity_bytes": 0, **overrides})
+    pool = make_pool(mla=mla, layout=layout, pages=pages, page_size=page_size, layers=layers)
+    lay = KvPageLayout.from_host_pool(pool)
+    return PageStore(cfg, lay.geometry, f"test|{lay.name}", role=role), pool, lay
+
+
+def put_pages(store, pool, lay, keys, pages, prefix=None):
+    """Core-level backup: fill host pages ``pages`` with ``keys``' bytes, ``store.put`` them."""
+    pages = list(pages)
+    for k, p in zip(keys, pages):
+        fill_page(pool, p * pool.page_size, k)
+    return store.put(keys, lay, pages, prefix)

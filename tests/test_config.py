@@ -12,6 +12,7 @@ from pydantic import BaseModel
 
 from flatcake.config import (
     DEFAULT_CONFIG_PATH,
+    FLATCAKE_EXTRA,
     SGLANG_RESERVED_KEYS,
     ConfigError,
     FlatCakeConfig,
@@ -231,7 +232,7 @@ def test_all_errors_are_reported_together():
 
 def test_config_from_extra_strips_every_sglang_reserved_key():
     extra = {k: 1 for k in SGLANG_RESERVED_KEYS}
-    extra.update({"backend_name": "flatcake", "module_path": "flatcake", "class_name": "FlatCakeStorage"})
+    extra.update(FLATCAKE_EXTRA)
     extra["ssd.path"] = "/nvme/x"
     cfg = config_from_extra(extra)
     assert cfg.ssd.path == "/nvme/x"
@@ -239,9 +240,7 @@ def test_config_from_extra_strips_every_sglang_reserved_key():
 
 
 def test_config_from_extra_contains_the_dynamic_backend_keys():
-    assert {"backend_name", "module_path", "class_name", "interface_v1", "hicache_storage_pass_prefix_keys"} <= (
-        SGLANG_RESERVED_KEYS
-    )
+    assert set(FLATCAKE_EXTRA) <= SGLANG_RESERVED_KEYS
 
 
 def test_config_from_extra_none_gives_defaults():

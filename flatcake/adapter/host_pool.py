@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import torch
 
-_LAYOUTS = ("layer_first", "page_first", "page_first_direct")
+from flatcake.layout import SUPPORTED_LAYOUTS
+
+_LAYOUTS = SUPPORTED_LAYOUTS  # the layouts SGLang 0.5.23 pairs with an L3 backend that FlatCake reads
 
 
 class _HostPoolBase:

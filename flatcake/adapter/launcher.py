@@ -39,23 +39,13 @@ import sys
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from flatcake.config import FLATCAKE_EXTRA
+
 BACKEND_FLAG = "--hicache-storage-backend"
 EXTRA_FLAG = "--hicache-storage-backend-extra-config"
 CONFIG_FLAG = "--flatcake-config"
 DRY_RUN_FLAG = "--dry-run"
 FLATCAKE_BACKEND = "flatcake"
-
-#: Keys the launcher puts into the extra config; SGLang's dynamic factory reads the first
-#: three, ``interface_v1`` selects the zero-copy ``batch_get_v1``/``batch_set_v1`` path and
-#: ``hicache_storage_pass_prefix_keys`` gives the backend the key chain it derives a session
-#: scope from (design README §2, FC-GVA).
-FLATCAKE_EXTRA: dict[str, Any] = {
-    "backend_name": "flatcake",
-    "module_path": "flatcake",
-    "class_name": "FlatCakeStorage",
-    "interface_v1": 1,
-    "hicache_storage_pass_prefix_keys": True,
-}
 
 _PROG = "flatcake-sglang"
 

@@ -8,8 +8,7 @@ Lifecycle (as SGLang 0.5.23's ``HiCacheController.attach_storage_backend`` drive
       -> clear() / close()
 
 Selected with ``--hicache-storage-backend dynamic`` and the extra config
-``{"backend_name": "flatcake", "module_path": "flatcake", "class_name": "FlatCakeStorage",
-"interface_v1": 1, "hicache_storage_pass_prefix_keys": true, ...flatcake keys}``, or the literal
+:data:`flatcake.config.FLATCAKE_EXTRA` plus FlatCake's own keys, or the literal
 ``--hicache-storage-backend flatcake`` through the ``flatcake-sglang`` launcher.
 
 Errors as values at the boundary: bad configuration, an unusable ``ssd.path`` or an
@@ -29,7 +28,7 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageC
 
 from flatcake.config import FlatCakeConfig, config_from_extra
 from flatcake.layout import KvPageLayout, UnsupportedLayoutError
-from flatcake.media.ssd import SsdStartupError, probe_direct_io  # noqa: F401  (re-exported for callers)
+from flatcake.media.ssd import ensure_pool_dir
 from flatcake.store import PageStore
 
 log = logging.getLogger("flatcake")
@@ -79,7 +78,7 @@ class FlatCakeStorage(HiCacheStorage):
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Optional[dict] = None):
         self.storage_config = storage_config
         self.cfg: FlatCakeConfig = config_from_extra(storage_config.extra_config if storage_config else None)
-        self._check_ssd_path()
+        ensure_pool_dir(self.cfg.ssd.path)  # fail at construction, naming ssd.path
         self.store: Optional[PageStore] = None
         self.layout: Optional[KvPageLayout] = None
         self.mem_pool_host = None
@@ -91,17 +90,6 @@ class FlatCakeStorage(HiCacheStorage):
         self._prefetch_bw: list = []
         self._backup_bw: list = []
         self._unready_logged = False
-
-    def _check_ssd_path(self) -> None:
-        import os
-
-        p = self.cfg.ssd.path
-        try:
-            os.makedirs(p, exist_ok=True)
-        except OSError as e:
-            raise SsdStartupError(f"ssd.path {p!r}: cannot create directory: [errno {e.errno}] {e.strerror}") from None
-        if not os.path.isdir(p) or not os.access(p, os.W_OK | os.X_OK):
-            raise SsdStartupError(f"ssd.path {p!r}: not a writable directory")
 
     # ------------------------------------------------------------------ registration
     def register_mem_pool_host(self, mem_pool_host) -> None:
@@ -127,11 +115,7 @@ class FlatCakeStorage(HiCacheStorage):
             # attention-DP replicas share namespace and ranks but not pool files
             instance = f"dp{getattr(sc, 'dp_rank', 0) if sc else 0}"
             self.store = PageStore(self.cfg, layout.geometry, self.namespace, instance=instance, role=role)
-        log.info(
-            "flatcake: namespace %s (%s), page %d bytes, DRAM %d slots, SSD %s (%s I/O, %s engine)",
-            self.namespace, self.store.role, layout.geometry.page_bytes, self.store.dram.n_slots, self.cfg.ssd.path,
-            "direct" if self.store.ssd.direct_io else "buffered", getattr(self.store.cio, "engine_name", "?"),
-        )
+        log.info("flatcake: namespace %s: %s", self.namespace, self.store.describe())
 
     def _closed(self) -> bool:
         return self.store is not None and self.store.closed

@@ -1,6 +1,7 @@
-"""I/O back-ends of FC-CIO (paper §3.3): POSIX ``preadv`` workers and kvikio (cuFile/GDS).
+"""I/O back-ends of FC-CIO (paper §3.3): the engine interface and the POSIX ``preadv`` workers
+(the kvikio/cuFile engine and the start-up engine probe are in :mod:`flatcake.cio.kvikio_engine`).
 
-Both take *pieces* (aligned sub-ranges of merged reads, each bound for an offset in a staging
+Engines take *pieces* (aligned sub-ranges of merged reads, each bound for an offset in a staging
 buffer), spread them round-robin over ``io_workers`` workers, and return a
 :class:`PendingIo` whose :meth:`PendingIo.wait` yields one :class:`PieceResult` per piece:
 how many bytes landed (``got``) and, if the read stopped early, why (``error``). They never
@@ -13,32 +14,22 @@ file may pass its end harmlessly), the restore logs it when a chunk actually mis
   into the page-aligned host staging buffer, O_DIRECT when asked. A filesystem that refuses
   O_DIRECT (``EINVAL`` at open or read) switches the engine to buffered reads with one log line.
   ``os.preadv`` releases the GIL, so the threads overlap on the device.
-* :class:`KvikioEngine` — ``kvikio.CuFile.pread`` futures, one handle set per worker; on a GPU
-  the destination is the HBM staging buffer (GDS, or kvikio's compatibility mode through a
-  bounce buffer). kvikio raises on EOF instead of returning a short count, so requests are
-  clamped to the file size first.
-
-:func:`select_engine` is the start-up probe: ``auto`` picks kvikio only when a real CUDA driver
-is present *and* CUDA is available *and* a probe read moves bytes; otherwise POSIX. It never
-calls ``kvikio.cufile_driver.driver_open()`` and never sets ``KVIKIO_COMPAT_MODE=OFF`` (both
-fail or hang without the nvidia-fs driver).
 """
 
 from __future__ import annotations
 
-import ctypes
 import errno as errno_mod
 import itertools
 import logging
 import os
 import queue
-import tempfile
 import threading
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
-from flatcake.config import ALIGN
-from flatcake.cio.staging import StagingBuffer, aligned_host_buffer
+from flatcake.align import ALIGN
+from flatcake.cio.staging import StagingBuffer
+from flatcake.errorlog import ErrorLog, reason_of
 
 log = logging.getLogger(__name__)
 
@@ -81,32 +72,6 @@ class PieceResult:
 
     got: int = 0
     error: Optional[str] = None
-
-
-class ErrorLog:
-    """Logs each distinct I/O error once (by operation and errno/reason); thread-safe."""
-
-    def __init__(self) -> None:
-        self._seen: set[tuple[str, str]] = set()
-        self._lock = threading.Lock()
-        self.count = 0
-
-    def report(self, op: str, reason: str, detail: str) -> None:
-        """Count an error; log it at WARNING the first time ``(op, reason)`` is seen."""
-        with self._lock:
-            self.count += 1
-            key = (op, reason)
-            if key in self._seen:
-                return
-            self._seen.add(key)
-        log.warning("FC-CIO %s failed (%s): %s; later errors of this kind are not logged", op, reason, detail)
-
-
-def _reason(e: BaseException) -> str:
-    if isinstance(e, OSError) and e.errno is not None:
-        return errno_mod.errorcode.get(e.errno, str(e.errno))
-    text = str(e)
-    return "EOF" if "EOF" in text else type(e).__name__
 
 
 class _Latch:
@@ -235,7 +200,6 @@ class PosixEngine(IoEngine):
         self._fds: list[dict[int, int]] = [{} for _ in range(workers)]
         self._forget: list[set[int]] = [set() for _ in range(workers)]
         self._forget_lock = threading.Lock()
-        self.syscalls = 0  # preadv calls issued (diagnostic; updated without a lock, approximate)
         self._threads = [
             threading.Thread(target=self._run, args=(w,), name=f"fc-cio-io{w}", daemon=True)
             for w in range(workers)
@@ -251,7 +215,7 @@ class PosixEngine(IoEngine):
                 log.warning(
                     "FC-CIO: O_DIRECT refused on %s (%s); falling back to buffered reads",
                     os.path.dirname(path) or path,
-                    _reason(e),
+                    reason_of(e),
                 )
 
     def _open(self, w: int, file_index: int) -> int:
@@ -287,7 +251,6 @@ class PosixEngine(IoEngine):
             try:
                 fd = self._open(w, p.file_index)
                 k = os.preadv(fd, [view[res.got :]], p.offset + res.got)
-                self.syscalls += 1
             except OSError as e:
                 if e.errno == errno_mod.EINVAL and res.got == 0 and not retried:
                     # O_DIRECT accepted at open but the read is refused: reopen buffered, once
@@ -296,7 +259,7 @@ class PosixEngine(IoEngine):
                         self._disable_direct(self._path_of(p.file_index), e)
                     self._drop(w, p.file_index)
                     continue
-                res.error = _reason(e)
+                res.error = reason_of(e)
                 self._errors.report("read", res.error, f"{self._path_of(p.file_index)} @ {p.offset + res.got}: {e}")
                 return res
             if k == 0:
@@ -323,8 +286,8 @@ class PosixEngine(IoEngine):
             try:
                 pending.results[i] = self._read_piece(w, piece, buf.host_view(piece.buf_offset, piece.nbytes))
             except Exception as e:  # noqa: BLE001 - a worker never dies; the piece fails
-                pending.results[i] = PieceResult(0, _reason(e))
-                self._errors.report("read", _reason(e), repr(e))
+                pending.results[i] = PieceResult(0, reason_of(e))
+                self._errors.report("read", reason_of(e), repr(e))
             finally:
                 pending._run_callback(i)  # verify + scatter what this piece carries, here
                 pending._latch.count_down()
@@ -361,208 +324,3 @@ class PosixEngine(IoEngine):
             q.put(None)
         for t in self._threads:
             t.join(timeout=30)
-
-
-class KvikioEngine(IoEngine):
-    """``kvikio.CuFile.pread`` futures into host or HBM staging buffers.
-
-    Args:
-        path_of: maps a file index to its path.
-        workers: handle sets (one ``CuFile`` per file per worker); also kvikio's thread count.
-        errors: shared :class:`ErrorLog`.
-
-    Raises:
-        EngineUnavailableError: ``kvikio`` cannot be imported.
-    """
-
-    name = "kvikio"
-
-    def __init__(self, path_of: Callable[[int], str], workers: int, *, errors: ErrorLog):
-        try:
-            import kvikio  # noqa: F401
-            import kvikio.defaults
-        except Exception as e:  # noqa: BLE001
-            raise EngineUnavailableError(f"kvikio is not importable: {e}") from e
-        self._kvikio = kvikio
-        self._path_of = path_of
-        self._errors = errors
-        self._workers = workers
-        self._rr = itertools.count()
-        self._lock = threading.Lock()
-        self._handles: list[dict[int, object]] = [{} for _ in range(workers)]
-        try:
-            kvikio.defaults.set("num_threads", max(int(kvikio.defaults.get("num_threads")), workers))
-        except Exception as e:  # noqa: BLE001 - older kvikio: keep its default
-            log.info("kvikio num_threads not set (%s)", e)
-        try:
-            self.compat_mode = str(kvikio.defaults.get("compat_mode"))
-        except Exception:  # noqa: BLE001
-            self.compat_mode = "unknown"
-        self.direct_io = True
-
-    def _handle(self, w: int, file_index: int):
-        with self._lock:
-            h = self._handles[w].get(file_index)
-            if h is None:
-                h = self._kvikio.CuFile(self._path_of(file_index), "r")
-                self._handles[w][file_index] = h
-            return h
-
-    def submit(self, pieces: Sequence[IoPiece], buf: StagingBuffer, on_piece=None) -> PendingIo:
-        """Issue one ``pread`` future per piece; :meth:`PendingIo.wait` collects them (and runs
-        ``on_piece`` for each, in the waiting thread)."""
-        futures: list[tuple[int, object, int]] = []  # (piece index, future or None, requested)
-        pending = PendingIo(len(pieces), waiter=lambda p: self._collect(p, futures, pieces), on_piece=on_piece)
-        for i, p in enumerate(pieces):
-            w = next(self._rr) % self._workers
-            path = self._path_of(p.file_index)
-            try:
-                size = os.stat(path).st_size
-                n = max(0, min(p.nbytes, size - p.offset))
-                if n == 0:
-                    futures.append((i, None, 0))
-                    continue
-                dst = buf.array[p.buf_offset : p.buf_offset + n] if buf.array is not None else \
-                    buf.tensor[p.buf_offset : p.buf_offset + n]
-                fut = self._handle(w, p.file_index).pread(dst, n, p.offset)
-                futures.append((i, fut, n))
-            except Exception as e:  # noqa: BLE001
-                pending.results[i] = PieceResult(0, _reason(e))
-                self._errors.report("read", _reason(e), f"{path} @ {p.offset}: {e}")
-                futures.append((i, None, -1))
-        return pending
-
-    def _collect(self, pending: PendingIo, futures, pieces) -> None:
-        for i, fut, n in futures:
-            p = pieces[i]
-            if n < 0:
-                continue  # submission already failed
-            got = 0
-            err = None
-            if fut is not None:
-                try:
-                    got = int(fut.get())
-                except Exception as e:  # noqa: BLE001
-                    got, err = 0, _reason(e)
-                    self._errors.report("read", err, f"{self._path_of(p.file_index)} @ {p.offset}: {e}")
-            if got < p.nbytes and err is None:
-                err = "EOF"  # logged by the restore only if a chunk misses bytes
-            pending.results[i] = PieceResult(min(got, p.nbytes), err)
-        for i in range(len(pieces)):
-            pending._run_callback(i)
-
-    def forget_file(self, file_index: int) -> None:
-        """Close every worker's ``CuFile`` of ``file_index``."""
-        with self._lock:
-            for hs in self._handles:
-                h = hs.pop(file_index, None)
-                if h is not None:
-                    h.close()
-
-    def close(self) -> None:
-        """Close all ``CuFile`` handles."""
-        with self._lock:
-            for hs in self._handles:
-                for h in hs.values():
-                    try:
-                        h.close()
-                    except Exception:  # noqa: BLE001
-                        pass
-                hs.clear()
-
-
-# ------------------------------------------------------------------------------- probes
-def real_cuda_driver() -> bool:
-    """True when ``libcuda.so.1`` loads and ``cuInit(0)`` succeeds (a real NVIDIA driver).
-
-    A test shim (which answers ``CUDA_ERROR_NOT_INITIALIZED``) or no driver gives False.
-    """
-    try:
-        lib = ctypes.CDLL("libcuda.so.1")
-        return int(lib.cuInit(0)) == 0
-    except (OSError, AttributeError):
-        return False
-
-
-def _kvikio_probe_read(directory: str, device: str) -> None:
-    """Write 8 KiB and read it back with kvikio into the staging device; raises on failure."""
-    import numpy as np
-    import kvikio
-    import torch
-
-    d = directory if os.path.isdir(directory) else tempfile.gettempdir()
-    fd, path = tempfile.mkstemp(prefix=".fc-kvikio-probe-", dir=d)
-    try:
-        payload = bytes(range(256)) * 32
-        os.write(fd, payload)
-        os.close(fd)
-        f = kvikio.CuFile(path, "r")
-        try:
-            if torch.device(device).type == "cuda":
-                dst = torch.zeros(len(payload), dtype=torch.uint8, device=device)
-                n = f.pread(dst, len(payload), 0).get()
-                ok = bytes(dst.cpu().numpy()) == payload
-            else:
-                dst = np.zeros(len(payload), dtype=np.uint8)
-                n = f.pread(dst, len(payload), 0).get()
-                ok = dst.tobytes() == payload
-        finally:
-            f.close()
-        if n != len(payload) or not ok:
-            raise EngineUnavailableError(f"kvikio probe read returned {n} bytes, content ok={ok}")
-    finally:
-        try:
-            os.unlink(path)
-        except OSError:
-            pass
-
-
-def select_engine(requested: str, probe_dir: str, device: str) -> tuple[str, str]:
-    """Start-up probe: which engine can actually move bytes here.
-
-    Args:
-        requested: ``cfg.engine``: ``"auto"``, ``"posix"`` or ``"kvikio"``.
-        probe_dir: directory for the probe file (the SSD pool directory).
-        device: staging device (``"cpu"`` or ``"cuda[:N]"``).
-
-    Returns:
-        ``(engine_name, reason)``.
-
-    Raises:
-        EngineUnavailableError: ``"kvikio"`` requested but kvikio cannot move bytes (not importable,
-            no ``libcuda.so.1``, or the probe read failed); or ``"posix"`` with a CUDA staging device.
-        ValueError: unknown ``requested``.
-    """
-    import torch
-
-    dev = torch.device(device)
-    if requested == "posix":
-        if dev.type != "cpu":
-            raise EngineUnavailableError("the POSIX engine reads into host memory; use device='cpu'")
-        return "posix", "requested"
-    if requested == "kvikio":
-        try:
-            _kvikio_probe_read(probe_dir, device)
-        except Exception as e:  # noqa: BLE001
-            raise EngineUnavailableError(
-                f"cio.engine=kvikio requested but kvikio cannot move bytes here ({type(e).__name__}: {e}); "
-                "kvikio needs the CUDA driver library libcuda.so.1 even for host buffers; use engine 'posix' or 'auto'"
-            ) from e
-        return "kvikio", "requested; probe read ok"
-    if requested != "auto":
-        raise ValueError(f"unknown cio.engine {requested!r}")
-    if not real_cuda_driver():
-        if dev.type != "cpu":
-            raise EngineUnavailableError(f"staging device {device} needs a CUDA driver, none found")
-        return "posix", "no CUDA driver (libcuda.so.1 missing or cuInit failed)"
-    if not torch.cuda.is_available():
-        if dev.type != "cpu":
-            raise EngineUnavailableError(f"staging device {device} requested but torch has no CUDA")
-        return "posix", "CUDA driver present but torch.cuda is unavailable"
-    try:
-        _kvikio_probe_read(probe_dir, device)
-    except Exception as e:  # noqa: BLE001
-        if dev.type != "cpu":
-            raise EngineUnavailableError(f"kvikio probe read into {device} failed: {e}") from e
-        return "posix", f"kvikio probe read failed ({type(e).__name__}: {e})"
-    return "kvikio", "CUDA driver present and kvikio probe read ok"

@@ -19,41 +19,18 @@ extra bytes (bridged holes plus alignment slack).
 Descriptors travel as a :class:`ChunkBatch` (one numpy array per field): a 1 GiB restore of
 512 KiB pages is 32K (page, layer) chunks, and per-chunk Python objects (build, sort, wrap)
 used to cost more CPU than the reads. Planning is vectorized (``np.lexsort`` + boundary masks);
-Python loops run only over merged reads. A sequence of :class:`ChunkRead` is still accepted
-(converted with :meth:`ChunkBatch.from_chunks`).
+Python loops run only over merged reads. :class:`ChunkBatch` is the one descriptor type of
+the planner and of :meth:`flatcake.cio.restore.RestoreEngine.restore`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, NamedTuple, Optional, Sequence, Union
+from typing import Optional, Sequence
 
 import numpy as np
 
-from flatcake.config import ALIGN
-
-
-@dataclass(frozen=True, slots=True)
-class ChunkRead:
-    """One (page, layer) chunk to restore from SSD.
-
-    Attributes:
-        file_index: SSD pool file number (the engine maps it to a path with ``path_of``).
-        offset: byte offset of the chunk in that file; any alignment.
-        nbytes: chunk size in bytes (``PageGeometry.chunk_bytes``).
-        page: destination page index in the target :class:`~flatcake.layout.KvPageLayout`.
-        layer: destination layer.
-        tag: caller's id (e.g. position of the page in the call); reported on failure.
-        checksum: expected ``xxhash.xxh3_64_intdigest`` of the chunk bytes, or ``None``.
-    """
-
-    file_index: int
-    offset: int
-    nbytes: int
-    page: int
-    layer: int
-    tag: int
-    checksum: Optional[int] = None
+from flatcake.align import ALIGN, align_down, align_up
 
 
 def _i64(x) -> np.ndarray:
@@ -61,8 +38,8 @@ def _i64(x) -> np.ndarray:
 
 
 class ChunkBatch:
-    """Chunk descriptors of one restore as parallel numpy arrays (the vectorized form of a
-    sequence of :class:`ChunkRead`; entry ``i`` of every array describes chunk ``i``).
+    """Chunk descriptors of one restore as parallel numpy arrays: entry ``i`` of every array
+    describes chunk ``i``, the bytes of one (page, layer) of a KV page on SSD.
 
     Attributes:
         file_index: int64 ``[n]`` SSD pool file numbers.
@@ -73,7 +50,10 @@ class ChunkBatch:
         checksum: uint64 ``[n]`` expected ``xxh3_64_intdigest`` of the chunk bytes (0 where absent).
         has_checksum: bool ``[n]`` whether ``checksum[i]`` is meaningful.
         nbytes: chunk size in bytes: an ``int`` shared by every chunk (``chunk_bytes``: what the
-            restore path builds), or an int64 ``[n]`` array when sizes differ (planner tests).
+            restore path builds), or an int64 ``[n]`` array when sizes differ.
+
+    Raises:
+        ValueError: arrays of different lengths (the message names the field).
 
     The arrays are not copied when they already have the right dtype; do not mutate them while
     a plan built from the batch is in use.
@@ -107,58 +87,15 @@ class ChunkBatch:
         if not isinstance(self.nbytes, int) and self.nbytes.shape[0] != n:
             raise ValueError(f"ChunkBatch.nbytes has {self.nbytes.shape[0]} entries, expected {n}")
 
-    @classmethod
-    def from_chunks(cls, chunks: Iterable[ChunkRead]) -> "ChunkBatch":
-        """Convert :class:`ChunkRead` descriptors (any iterable) into a batch, in the same order."""
-        cs = list(chunks)
-        if not cs:
-            return cls(*([np.zeros(0, np.int64)] * 5), nbytes=0)
-        sums = [c.checksum for c in cs]
-        has = np.array([s is not None for s in sums], dtype=bool)
-        return cls(
-            [c.file_index for c in cs], [c.offset for c in cs], [c.page for c in cs], [c.layer for c in cs],
-            [c.tag for c in cs], [c.nbytes for c in cs],
-            checksum=np.array([0 if s is None else s for s in sums], dtype=np.uint64), has_checksum=has,
-        )
-
     def __len__(self) -> int:
         return int(self.file_index.shape[0])
-
-    def sizes(self) -> np.ndarray:
-        """int64 ``[n]`` chunk sizes in bytes (``nbytes`` broadcast)."""
-        if isinstance(self.nbytes, int):
-            return np.full(len(self), self.nbytes, dtype=np.int64)
-        return self.nbytes
 
     def size_of(self, i: int) -> int:
         """Size in bytes of chunk ``i``."""
         return self.nbytes if isinstance(self.nbytes, int) else int(self.nbytes[i])
 
-    def chunk(self, i: int) -> ChunkRead:
-        """Descriptor ``i`` as a :class:`ChunkRead` (for messages, tests and compatibility)."""
-        i = int(i)
-        return ChunkRead(int(self.file_index[i]), int(self.offset[i]), self.size_of(i), int(self.page[i]),
-                         int(self.layer[i]), int(self.tag[i]),
-                         int(self.checksum[i]) if self.has_checksum[i] else None)
-
-    def to_chunks(self) -> list[ChunkRead]:
-        """All descriptors as :class:`ChunkRead` objects, in order."""
-        return [self.chunk(i) for i in range(len(self))]
-
     def __repr__(self) -> str:
         return f"ChunkBatch({len(self)} chunks, nbytes={self.nbytes if isinstance(self.nbytes, int) else 'mixed'})"
-
-
-class PlannedChunk(NamedTuple):
-    """A chunk placed inside a merged read (compatibility view; see :attr:`MergedRead.chunks`).
-
-    Attributes:
-        chunk: the descriptor.
-        offset_in_read: byte offset of the chunk's first byte from the merged read's start.
-    """
-
-    chunk: ChunkRead
-    offset_in_read: int
 
 
 class MergedRead:
@@ -173,39 +110,29 @@ class MergedRead:
         index: int64 ``[k]`` positions in ``batch`` of the chunks this read carries, sorted by
             file offset.
         offsets: int64 ``[k]`` byte offset of each of those chunks from the read's start.
-
-    ``chunks`` (a tuple of :class:`PlannedChunk`) is built on access, for tests and callers of
-    the per-object API; the restore path uses ``index``/``offsets``. Constructing a read from
-    ``chunks`` (the old signature) still works.
     """
 
     __slots__ = ("file_index", "offset", "nbytes", "min_layer", "batch", "index", "offsets")
 
-    def __init__(self, file_index: int, offset: int, nbytes: int, chunks: Sequence[PlannedChunk] = (),
-                 min_layer: int = 0, *, batch: Optional[ChunkBatch] = None, index=None, offsets=None):
+    def __init__(self, file_index: int, offset: int, nbytes: int, min_layer: int, batch: ChunkBatch,
+                 index: np.ndarray, offsets: np.ndarray):
         self.file_index = file_index
         self.offset = offset
         self.nbytes = nbytes
         self.min_layer = min_layer
-        if batch is None:
-            chunks = tuple(chunks)
-            batch = ChunkBatch.from_chunks([pc.chunk for pc in chunks])
-            index = np.arange(len(chunks), dtype=np.int64)
-            offsets = np.array([pc.offset_in_read for pc in chunks], dtype=np.int64)
         self.batch = batch
         self.index = index
         self.offsets = offsets
 
     @property
-    def chunks(self) -> tuple[PlannedChunk, ...]:
-        """The chunks it carries, sorted by offset, as :class:`PlannedChunk` (built on access)."""
-        b = self.batch
-        return tuple(PlannedChunk(b.chunk(i), o) for i, o in zip(self.index.tolist(), self.offsets.tolist()))
-
-    @property
     def num_chunks(self) -> int:
         """Number of chunks carried."""
         return int(self.index.shape[0])
+
+    @property
+    def tags(self) -> list[int]:
+        """Tags of the chunks carried, in file-offset order."""
+        return self.batch.tag[self.index].tolist()
 
     def __repr__(self) -> str:
         return (f"MergedRead(file_index={self.file_index}, offset={self.offset}, nbytes={self.nbytes}, "
@@ -237,50 +164,72 @@ class ReadPlan:
         return self.bytes_read / useful if useful else 0.0
 
 
-def _align_down(x: int, a: int) -> int:
-    return x - x % a
-
-
-def _align_up(x: int, a: int) -> int:
-    return -(-x // a) * a
-
-
 def _read_starts_scalar(fo, oo, eo, gap_bytes: int, max_io_bytes: int, align: int) -> list[int]:
     """Reference merge loop over sorted chunks (file ``fo``, offset ``oo``, end ``eo``: lists);
     returns the sorted positions where a merged read starts. Used when chunk ends are not
     monotonic within a file (overlapping chunks of different sizes), where the vectorized rules
-    below would need the running maximum of the ends."""
+    of :func:`_read_starts` would need the running maximum of the ends."""
     starts: list[int] = []
     cur_file = cur_end = cur_a0 = 0
     for i, (f, off, end) in enumerate(zip(fo, oo, eo)):
         if starts and f == cur_file:
             gap = off - cur_end
-            if gap <= 0 or gap < gap_bytes or off - off % align < -(-cur_end // align) * align:
+            if gap <= 0 or gap < gap_bytes or align_down(off, align) < align_up(cur_end, align):
                 new_end = end if end > cur_end else cur_end
-                if -(-new_end // align) * align - cur_a0 <= max_io_bytes:
+                if align_up(new_end, align) - cur_a0 <= max_io_bytes:
                     cur_end = new_end
                     continue
         starts.append(i)
-        cur_file, cur_end, cur_a0 = f, end, off - off % align
+        cur_file, cur_end, cur_a0 = f, end, align_down(off, align)
     return starts
 
 
-def plan_reads(
-    chunks: Union[ChunkBatch, Iterable[ChunkRead]], *, gap_bytes: int, max_io_bytes: int, align: int = ALIGN
-) -> ReadPlan:
+def _read_starts(fo, oo, eo, astart, aend, gap_bytes: int, max_io_bytes: int, align: int) -> np.ndarray:
+    """Sorted positions (into the sorted chunks) where a merged read starts.
+
+    Args:
+        fo, oo, eo: int64 ``[n]`` file, offset and end byte of each chunk, sorted by (file, offset).
+        astart, aend: int64 ``[n]`` the chunks' aligned start and end.
+        gap_bytes, max_io_bytes, align: as :func:`plan_reads`.
+    """
+    n = fo.shape[0]
+    same = fo[1:] == fo[:-1]
+    if not bool(np.all(~same | (eo[1:] >= eo[:-1]))):  # needs the running maximum of the ends
+        return np.asarray(_read_starts_scalar(fo.tolist(), oo.tolist(), eo.tolist(), gap_bytes,
+                                              max_io_bytes, align), dtype=np.int64)
+    # ends monotonic within a file: the read's running end is the previous chunk's end
+    gap = oo[1:] - eo[:-1]
+    link = same & ((gap <= 0) | (gap < gap_bytes) | (astart[1:] < aend[:-1]))
+    seg = np.flatnonzero(~link) + 1
+    seg_lo = np.concatenate(([0], seg))
+    seg_hi = np.concatenate((seg, [n]))
+    fits = aend[seg_hi - 1] - astart[seg_lo] <= max_io_bytes
+    if fits.all():
+        return seg_lo
+    extra: list[int] = []
+    for s, e in zip(seg_lo[~fits].tolist(), seg_hi[~fits].tolist()):
+        i = s
+        while i < e:  # greedy split: one searchsorted per read
+            if i != s:
+                extra.append(i)
+            j = i + int(np.searchsorted(aend[i:e], astart[i] + max_io_bytes, side="right"))
+            i = j if j > i else i + 1
+    return np.sort(np.concatenate((seg_lo, np.asarray(extra, dtype=np.int64))))
+
+
+def plan_reads(batch: ChunkBatch, *, gap_bytes: int, max_io_bytes: int, align: int = ALIGN) -> ReadPlan:
     """Coalesce chunk descriptors into aligned merged reads (paper §3.3 FC-CIO).
 
     Vectorized: one ``np.lexsort`` by (file, offset, size, tag), merge boundaries from array
     differences, and a Python loop only over merge segments that exceed ``max_io_bytes``
-    (one ``searchsorted`` per resulting read). Same rules and result as the scalar loop:
-    a chunk joins the read before it when both are in the same file and it is adjacent or
-    overlapping, or the hole before it is ``< gap_bytes``, or its aligned start falls in the
-    read's last aligned block; and the aligned read stays ``<= max_io_bytes`` (a chunk is never
-    split; one larger than ``max_io_bytes`` gets its own read).
+    (one ``searchsorted`` per resulting read). A chunk joins the read before it when both are
+    in the same file and it is adjacent or overlapping, or the hole before it is
+    ``< gap_bytes``, or its aligned start falls in the read's last aligned block; and the
+    aligned read stays ``<= max_io_bytes`` (a chunk is never split; one larger than
+    ``max_io_bytes`` gets its own read).
 
     Args:
-        chunks: a :class:`ChunkBatch`, or :class:`ChunkRead` descriptors in any order; offsets
-            and lengths in bytes, any alignment.
+        batch: the chunks, in any order; offsets and lengths in bytes, any alignment.
         gap_bytes: bridge holes strictly smaller than this many bytes by over-reading
             (0 merges only adjacent/overlapping chunks).
         max_io_bytes: upper bound of an aligned merged read in bytes, unless a single chunk
@@ -288,7 +237,7 @@ def plan_reads(
         align: alignment in bytes of every read offset and length (4096 for O_DIRECT/GDS).
 
     Returns:
-        A :class:`ReadPlan` whose reads reference the (possibly converted) batch.
+        A :class:`ReadPlan` whose reads reference ``batch``.
 
     Raises:
         ValueError: ``align`` not positive, ``gap_bytes`` negative, ``max_io_bytes`` smaller than
@@ -300,7 +249,6 @@ def plan_reads(
         raise ValueError(f"gap_bytes must be >= 0, got {gap_bytes}")
     if max_io_bytes < align:
         raise ValueError(f"max_io_bytes ({max_io_bytes}) must be >= align ({align})")
-    batch = chunks if isinstance(chunks, ChunkBatch) else ChunkBatch.from_chunks(chunks)
     n = len(batch)
     if n == 0:
         return ReadPlan(reads=(), pages=0, chunks=0, bytes_read=0, bytes_over_read=0)
@@ -311,63 +259,30 @@ def plan_reads(
     else:
         order = np.lexsort((batch.tag, batch.nbytes, batch.offset, batch.file_index))
         so = batch.nbytes[order]
-    fo = batch.file_index[order]
-    oo = batch.offset[order]
+    fo, oo = batch.file_index[order], batch.offset[order]
     eo = oo + so
     bad = (oo < 0) | (so <= 0)
     if bad.any():
         i = int(np.argmax(bad))
         raise ValueError(f"bad chunk (offset {int(oo[i])}, nbytes {batch.size_of(order[i])}) "
                          f"for tag {int(batch.tag[order[i]])}")
-    useful = n * so if uniform else int(so.sum())
-    a = align
-    astart = oo - oo % a  # aligned start of each chunk
-    aend = -(-eo // a) * a  # aligned end of each chunk
-    same = fo[1:] == fo[:-1]
-    if bool(np.all(~same | (eo[1:] >= eo[:-1]))):
-        # ends monotonic within a file: the read's running end is the previous chunk's end
-        prev_end = eo[:-1]
-        gap = oo[1:] - prev_end
-        link = same & ((gap <= 0) | (gap < gap_bytes) | (astart[1:] < aend[:-1]))
-        seg = np.flatnonzero(~link) + 1
-        seg_lo = np.concatenate(([0], seg))
-        seg_hi = np.concatenate((seg, [n]))
-        fits = aend[seg_hi - 1] - astart[seg_lo] <= max_io_bytes
-        if fits.all():
-            starts = seg_lo
-        else:
-            extra: list[int] = []
-            for s, e in zip(seg_lo[~fits].tolist(), seg_hi[~fits].tolist()):
-                i = s
-                while i < e:  # greedy split: one searchsorted per read
-                    if i != s:
-                        extra.append(i)
-                    j = i + int(np.searchsorted(aend[i:e], astart[i] + max_io_bytes, side="right"))
-                    i = j if j > i else i + 1
-            starts = np.sort(np.concatenate((seg_lo, np.asarray(extra, dtype=np.int64))))
-    else:
-        starts = np.asarray(_read_starts_scalar(fo.tolist(), oo.tolist(), eo.tolist(), gap_bytes,
-                                                max_io_bytes, a), dtype=np.int64)
+    astart, aend = align_down(oo, align), align_up(eo, align)  # aligned range of each chunk
+    starts = _read_starts(fo, oo, eo, astart, aend, gap_bytes, max_io_bytes, align)
     r_a0 = astart[starts]
-    r_a1 = -(-np.maximum.reduceat(eo, starts) // a) * a
-    r_nb = r_a1 - r_a0
+    r_nb = align_up(np.maximum.reduceat(eo, starts), align) - r_a0
     r_minl = np.minimum.reduceat(batch.layer[order], starts)
-    counts = np.diff(np.concatenate((starts, [n])))
-    offs = oo - np.repeat(r_a0, counts)
+    offs = oo - np.repeat(r_a0, np.diff(np.concatenate((starts, [n]))))
     bounds = np.concatenate((starts, [n])).tolist()
     reads = tuple(
-        MergedRead(f, o, nb, min_layer=ml, batch=batch, index=order[lo:hi], offsets=offs[lo:hi])
+        MergedRead(f, o, nb, ml, batch, order[lo:hi], offs[lo:hi])
         for f, o, nb, ml, lo, hi in zip(fo[starts].tolist(), r_a0.tolist(), r_nb.tolist(), r_minl.tolist(),
                                         bounds[:-1], bounds[1:])
     )
     bytes_read = int(r_nb.sum())
-    return ReadPlan(
-        reads=reads,
-        pages=int(np.unique(batch.page).shape[0]),
-        chunks=n,
-        bytes_read=bytes_read,
-        bytes_over_read=max(0, bytes_read - int(useful)),
-    )
+    useful = n * so if uniform else int(so.sum())
+    return ReadPlan(reads=reads, pages=int(np.unique(batch.page).shape[0]), chunks=n, bytes_read=bytes_read,
+                    bytes_over_read=max(0, bytes_read - int(useful)))
+
 
 def batch_reads(reads: Sequence[MergedRead], capacity: int) -> list[list[MergedRead]]:
     """Cut merged reads into batches that each fit one staging buffer, in layer order.

@@ -35,34 +35,24 @@ import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence, Union
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Callable, Iterator, Optional
 
 import numpy as np
 import torch
-import xxhash
 
-from flatcake.cio.engines import (
-    EngineUnavailableError,
-    ErrorLog,
-    IoEngine,
-    IoPiece,
-    KvikioEngine,
-    PosixEngine,
-    select_engine,
-    split_pieces,
-)
-from flatcake.cio.plan import ChunkBatch, ChunkRead, MergedRead, batch_reads, plan_reads
-from flatcake.cio.staging import StagingPool
-from flatcake.config import ALIGN, CioConfig
-from flatcake.media.ssd import probe_direct_io
+from flatcake.align import ALIGN, align_up
+from flatcake.cio.batch import StagingBatch, verify_chunks
+from flatcake.cio.engines import IoEngine, PosixEngine
+from flatcake.cio.kvikio_engine import EngineUnavailableError, KvikioEngine, select_engine
+from flatcake.cio.plan import ChunkBatch, MergedRead, batch_reads, plan_reads
+from flatcake.cio.staging import StagingPool, StagingWindow
+from flatcake.config import CioConfig
+from flatcake.errorlog import ErrorLog
 from flatcake.kernels.scatter import resolve_impl, scatter_chunks
 
 log = logging.getLogger(__name__)
-
-
-def _align_up(x: int, a: int = ALIGN) -> int:
-    return -(-x // a) * a
 
 
 #: Floor of the automatic staging buffer size (bytes). With small pages one layer of 128 pages
@@ -80,37 +70,7 @@ def auto_staging_bytes(chunk_bytes: int, max_pages_per_restore: int) -> int:
     With layer-major extents one layer of a restore is one contiguous range, so one buffer
     holds (at least) one layer and the two buffers of a window two layers (paper §3.3).
     """
-    return max(_align_up(max_pages_per_restore * chunk_bytes) + 2 * ALIGN, MIN_AUTO_STAGING_BYTES)
-
-
-@dataclass(eq=False)
-class _Batch:
-    """In-flight state of one staging batch (internal).
-
-    Chunk arrays (numpy int64, one entry per chunk; ``*_idx`` are positions in ``chunks``,
-    ``*_b0`` byte offsets in the staging buffer): ``own_*`` the chunks owned by one piece,
-    grouped by piece (piece ``k``'s are ``[own_lo[k]:own_lo[k+1]]``); ``rest_*`` the others,
-    with ``rest_k0``/``rest_k1`` the pieces holding their first/last byte.
-    """
-
-    batch: list
-    buf: object
-    layout: object
-    chunks: Optional[ChunkBatch] = None
-    pieces: list = field(default_factory=list)
-    piece_start: Optional[np.ndarray] = None  # int64 [pieces] buffer offset of each piece
-    piece_end: Optional[np.ndarray] = None  # int64 [pieces] buffer offset past each piece
-    own_b0: Optional[np.ndarray] = None
-    own_idx: Optional[np.ndarray] = None
-    own_lo: Optional[np.ndarray] = None  # int64 [pieces + 1]
-    rest_b0: Optional[np.ndarray] = None
-    rest_idx: Optional[np.ndarray] = None
-    rest_k0: Optional[np.ndarray] = None
-    rest_k1: Optional[np.ndarray] = None
-    failed: list = field(default_factory=list)  # tags failed in workers (list.extend is atomic)
-    futures: list = field(default_factory=list)  # scatter-pool jobs of this batch
-    used: int = 0
-    pending: object = None
+    return max(align_up(max_pages_per_restore * chunk_bytes) + 2 * ALIGN, MIN_AUTO_STAGING_BYTES)
 
 
 @dataclass(frozen=True)
@@ -153,20 +113,25 @@ class RestoreEngine:
         cfg: the ``cio`` section (engine, gap_bytes, max_io_bytes, io_workers, staging_bytes,
             windows, scatter, verify_checksums).
         path_of: maps an SSD pool file index to its path (files are fixed-size, never renamed).
-        direct_io: read with O_DIRECT (POSIX) / GDS-style direct reads; a filesystem that refuses
-            O_DIRECT is detected (probe on ``dirname(path_of(0))``, and again at open/read time)
-            and falls back to buffered reads with one log line.
+        direct_io: read with O_DIRECT (POSIX) / GDS-style direct reads: the result of the SSD
+            pool's start-up probe (:func:`flatcake.media.ssd.probe_direct_io`, the one place it
+            is probed); an ``EINVAL`` at open or read time still falls back to buffered reads
+            with one log line.
         chunk_bytes: bytes of one (page, layer) chunk; every chunk descriptor must have it.
         max_pages_per_restore: pages one restore usually carries (SGLang: 128); sizes the
             automatic staging buffer.
         device: staging device: ``"cpu"`` (page-aligned host memory) or ``"cuda[:N]"`` (HBM,
             registered with cuFile; needs the kvikio engine).
+        errors: the error-once log to report I/O faults to (the store's); a new one otherwise.
 
     Attributes:
         engine_name: ``"posix"`` or ``"kvikio"``, chosen by the start-up probe and logged once.
         staging_bytes: bytes per staging buffer (two per window).
         direct_io: whether reads currently bypass the page cache.
         scatter_impl: ``"torch"`` or ``"triton"``.
+        staging: the :class:`~flatcake.cio.staging.StagingPool` of ``cfg.windows`` windows.
+        worker_scatter: chunks are verified and scattered by a small pool as each I/O piece
+            lands (POSIX engine + torch scatter), not after the whole batch.
 
     Raises:
         EngineUnavailableError: ``cfg.engine='kvikio'`` but kvikio cannot move bytes here, or a
@@ -184,6 +149,7 @@ class RestoreEngine:
         chunk_bytes: int,
         max_pages_per_restore: int = 128,
         device: str = "cpu",
+        errors: Optional[ErrorLog] = None,
     ):
         if chunk_bytes <= 0:
             raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
@@ -192,7 +158,7 @@ class RestoreEngine:
         self.device = torch.device(device)
         self._path_of = path_of
         staging = cfg.staging_bytes or auto_staging_bytes(chunk_bytes, max(1, max_pages_per_restore))
-        need = _align_up(chunk_bytes) + ALIGN
+        need = align_up(chunk_bytes) + ALIGN
         if staging < need:
             raise ValueError(
                 f"cio.staging_bytes={staging} cannot hold one chunk of {chunk_bytes} bytes "
@@ -202,27 +168,21 @@ class RestoreEngine:
         self.max_io_bytes = min(cfg.max_io_bytes, staging)
         probe_dir = os.path.dirname(os.path.abspath(path_of(0)))
         self.engine_name, why = select_engine(cfg.engine, probe_dir, str(self.device))
-        self.errors = ErrorLog()
+        self.errors = errors if errors is not None else ErrorLog(log)
         self._engine: IoEngine
         if self.engine_name == "kvikio":
             self._engine = KvikioEngine(path_of, cfg.io_workers, errors=self.errors)
         else:
-            dio = bool(direct_io)
-            # a directory that does not exist yet is probed by its creator (the SSD pool);
-            # an open-time EINVAL still falls back to buffered reads
-            if dio and os.path.isdir(probe_dir) and not probe_direct_io(probe_dir):
-                log.warning("FC-CIO: %s refuses O_DIRECT; using buffered reads", probe_dir)
-                dio = False
-            self._engine = PosixEngine(path_of, cfg.io_workers, direct_io=dio, errors=self.errors)
+            self._engine = PosixEngine(path_of, cfg.io_workers, direct_io=direct_io, errors=self.errors)
         try:
-            self._pool = StagingPool(cfg.windows, staging, str(self.device))
+            self.staging = StagingPool(cfg.windows, staging, str(self.device))
         except Exception:
             self._engine.close()
             raise
         self.scatter_impl = resolve_impl(cfg.scatter, self.device)
         # POSIX workers verify + scatter the chunks of the piece they just read (host staging,
         # torch/numpy copies: thread-safe, GIL released); otherwise the restore thread does it.
-        self._worker_scatter = self.engine_name == "posix" and self.scatter_impl == "torch"
+        self.worker_scatter = self.engine_name == "posix" and self.scatter_impl == "torch"
         # Those scatters run on a small pool (not in the I/O threads), so an I/O worker starts its
         # next read at once instead of after copying the piece it just read.
         self._scatter_pool = ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1)),
@@ -248,12 +208,12 @@ class RestoreEngine:
     @property
     def staging_total_bytes(self) -> int:
         """Staging memory held, in bytes (``2 × windows × staging_bytes``), fixed at start-up."""
-        return self._pool.total_bytes
+        return self.staging.total_bytes
 
     @property
     def window_waits(self) -> int:
         """Restores that had to wait for a staging window so far."""
-        return self._pool.waits
+        return self.staging.waits
 
     # ------------------------------------------------------------------ restore
     def _check(self, chunks: ChunkBatch, layout) -> None:
@@ -280,15 +240,29 @@ class RestoreEngine:
             raise ValueError(f"chunk tag {int(chunks.tag[i])}: page {int(p[i])}/layer {int(l[i])} outside layout "
                              f"({N} pages, {L} layers)")
 
-    def restore(self, chunks: Union[ChunkBatch, Sequence[ChunkRead]], layout) -> RestoreReport:
+    @contextmanager
+    def window(self) -> Iterator[StagingWindow]:
+        """Hold one staging window for the duration of a ``with`` block (waits while all are
+        busy), as a restore does; a restore started meanwhile waits for it. For tools and tests
+        that need a staging buffer of the engine's size, device and alignment."""
+        win = self.staging.acquire()
+        try:
+            yield win
+        finally:
+            self.staging.release(win)
+
+    def restore(self, chunks: ChunkBatch, layout, *, scatter: bool = True) -> RestoreReport:
         """Read ``chunks`` from SSD and scatter them into ``layout``.
 
         Args:
-            chunks: a :class:`~flatcake.cio.plan.ChunkBatch` (the cheap form: numpy arrays, no
-                per-chunk objects) or a sequence of :class:`ChunkRead` (converted); any order;
-                every chunk ``nbytes == chunk_bytes``.
+            chunks: the restore's :class:`~flatcake.cio.plan.ChunkBatch` (numpy arrays, any
+                order; its ``nbytes`` must equal ``chunk_bytes``).
             layout: destination :class:`~flatcake.layout.KvPageLayout` (host pool on CPU staging,
                 device paged KV on CUDA staging).
+            scatter: ``False`` is the *reads-only* mode (the GPU check's baseline): the same plan,
+                batches and double-buffered window, but the bytes stay in staging — no checksum
+                check, no scatter, ``layout`` untouched; ``failed_tags`` lists the chunks not
+                fully read.
 
         Returns:
             A :class:`RestoreReport`; the tags in ``failed_tags`` were not delivered.
@@ -300,29 +274,27 @@ class RestoreEngine:
         """
         if self._closed:
             raise RuntimeError("RestoreEngine is closed")
-        if not isinstance(chunks, ChunkBatch):
-            chunks = ChunkBatch.from_chunks(chunks)
         self._check(chunks, layout)
         if not len(chunks):
             return RestoreReport(frozenset(), 0, 0, 0, 0, 0, 0.0, self.engine_name)
         plan = plan_reads(chunks, gap_bytes=self.cfg.gap_bytes, max_io_bytes=self.max_io_bytes)
         batches = batch_reads(plan.reads, self.staging_bytes)
         t_wait = time.perf_counter()
-        win = self._pool.acquire()
+        win = self.staging.acquire()
         t0 = time.perf_counter()
         failed: set[int] = set()
         pending = cur = None
         io_requests = 0
         try:
-            pending = self._submit(batches[0], win, 0, layout)
+            pending = self._submit(batches[0], win, 0, layout, scatter)
             io_requests += len(pending.pieces)
             for i in range(len(batches)):
                 nxt = None
                 if i + 1 < len(batches):
-                    nxt = self._submit(batches[i + 1], win, (i + 1) % 2, layout)
+                    nxt = self._submit(batches[i + 1], win, (i + 1) % 2, layout, scatter)
                     io_requests += len(nxt.pieces)
                 cur, pending = pending, nxt
-                self._finish_batch(cur, win, i % 2, layout, failed)
+                self._finish_batch(cur, win, i % 2, layout, failed, scatter)
                 cur = None
             if self._streams is not None:
                 self._streams[win.index].synchronize()
@@ -334,7 +306,7 @@ class RestoreEngine:
                         f.exception()  # waits; that error, if any, is not the one being raised
             if self._streams is not None:
                 self._streams[win.index].synchronize()
-            self._pool.release(win)
+            self.staging.release(win)
         t1 = time.perf_counter()
         return RestoreReport(
             failed_tags=frozenset(failed),
@@ -350,99 +322,30 @@ class RestoreEngine:
             io_requests=io_requests,
         )
 
-    def _submit(self, batch: list[MergedRead], win, b: int, layout):
+    def _submit(self, batch: list[MergedRead], win: StagingWindow, b: int, layout, scatter: bool) -> StagingBatch:
         """Start the reads of ``batch`` into buffer ``b`` of ``win``; returns the batch state.
 
-        Each chunk that lies wholly inside one I/O piece is *owned* by that piece: with the POSIX
-        engine on host staging, as soon as the piece is read its chunks are verified and scattered
-        on the scatter pool (overlapping the other reads, on every core), while the I/O worker
-        goes on to its next read. Chunks straddling two pieces, and every chunk on the kvikio/GPU
-        path, are handled by :meth:`_finish_batch`. Ownership is computed with array arithmetic
-        (no per-chunk Python work): piece of the first byte ``first + offset_in_read // step``,
-        owned when the chunk's end is inside that piece.
+        With the POSIX engine on host staging the chunks each I/O piece owns are verified and
+        scattered on the scatter pool as soon as that piece is read (overlapping the other
+        reads, on every core), while the I/O worker goes on to its next read; the rest are
+        handled by :meth:`_finish_batch` (see :mod:`flatcake.cio.batch`).
         """
         buf = win.buffers[b]
         if win.events is not None:
             win.events[b].synchronize()  # the previous scatter out of this buffer has finished
-        pieces: list[IoPiece] = []
-        st = _Batch(batch=batch, buf=buf, layout=layout)
-        cb = self.chunk_bytes
-        pos = 0
-        b0s, idxs, k0s, k1s = [], [], [], []
-        for r in batch:
-            ps = split_pieces(r.file_index, r.offset, r.nbytes, pos, self.cfg.io_workers)
-            first = len(pieces)
-            pieces.extend(ps)
-            step = ps[0].nbytes
-            offs = r.offsets
-            b0s.append(offs + pos)
-            idxs.append(r.index)
-            k0s.append(offs // step + first)  # piece holding the chunk's first byte
-            k1s.append((offs + (cb - 1)) // step + first)  # piece holding its last byte
-            pos += r.nbytes
-        st.chunks = batch[0].batch
-        st.pieces = pieces
-        st.used = pos
-        st.piece_start = np.fromiter((p.buf_offset for p in pieces), dtype=np.int64, count=len(pieces))
-        st.piece_end = st.piece_start + np.fromiter((p.nbytes for p in pieces), dtype=np.int64, count=len(pieces))
-        b0 = np.concatenate(b0s)
-        idx = np.concatenate(idxs)
-        k0 = np.concatenate(k0s)
-        k1 = np.concatenate(k1s)
-        if self._worker_scatter:
-            own = k0 == k1  # the whole chunk lies in one piece
-            if own.all():
-                st.own_b0, st.own_idx, own_k = b0, idx, k0
-            else:
-                st.own_b0, st.own_idx, own_k = b0[own], idx[own], k0[own]
-                rest = ~own
-                st.rest_b0, st.rest_idx, st.rest_k0, st.rest_k1 = b0[rest], idx[rest], k0[rest], k1[rest]
-            # own_k is non-decreasing (reads back to back, chunks sorted in each read):
-            # the chunks of piece k are own_*[own_lo[k]:own_lo[k + 1]]
-            st.own_lo = np.searchsorted(own_k, np.arange(len(pieces) + 1), side="left")
-        else:
-            st.rest_b0, st.rest_idx, st.rest_k0, st.rest_k1 = b0, idx, k0, k1
+        st = StagingBatch.build(batch, buf, layout, self.chunk_bytes, self.cfg.io_workers,
+                                owned=self.worker_scatter and scatter)
         on_piece = None
-        if st.own_idx is not None and st.own_idx.shape[0]:
+        if st.has_owned:
             on_piece = lambda k, res: st.futures.append(self._scatter_pool.submit(self._piece_done, st, k, res))  # noqa: E731
-        st.pending = self._engine.submit(pieces, buf, on_piece)
+        st.pending = self._engine.submit(st.pieces, buf, on_piece)
         return st
 
     def _verify(self, host, b0: np.ndarray, idx: np.ndarray, chunks: ChunkBatch) -> np.ndarray:
-        """Checksum check of fully read chunks.
-
-        Args:
-            host: uint8 numpy view of the staging buffer (may be ``None`` when nothing is checked).
-            b0: int64 ``[m]`` byte offsets of the chunks in the buffer.
-            idx: int64 ``[m]`` positions of the chunks in ``chunks``.
-            chunks: the restore's batch.
-
-        Returns:
-            bool ``[m]``: True where the chunk may be scattered (no checksum configured or given,
-            or its xxh3-64 matches). Each mismatch is reported to :attr:`errors`.
-        """
-        m = b0.shape[0]
-        if not self.cfg.verify_checksums or m == 0:
-            return np.ones(m, dtype=bool)
-        has = chunks.has_checksum[idx]
-        ok = np.ones(m, dtype=bool)
-        sel = np.flatnonzero(has) if not has.all() else None
-        if sel is not None and sel.shape[0] == 0:
-            return ok
-        cb = self.chunk_bytes
-        h = xxhash.xxh3_64_intdigest
-        mv = memoryview(host)
-        starts = (b0 if sel is None else b0[sel]).tolist()
-        got = np.fromiter((h(mv[s: s + cb]) for s in starts), dtype=np.uint64, count=len(starts))
-        want = chunks.checksum[idx if sel is None else idx[sel]]
-        bad = np.flatnonzero(got != want)
-        if bad.shape[0]:
-            pos = bad if sel is None else sel[bad]
-            ok[pos] = False
-            for i in idx[pos].tolist():
-                self.errors.report("verify", "checksum", f"chunk tag {int(chunks.tag[i])} (file "
-                                   f"{int(chunks.file_index[i])} @ {int(chunks.offset[i])})")
-        return ok
+        """:func:`~flatcake.cio.batch.verify_chunks` when ``cio.verify_checksums`` is on, else all True."""
+        if not self.cfg.verify_checksums or b0.shape[0] == 0:
+            return np.ones(b0.shape[0], dtype=bool)
+        return verify_chunks(host, b0, idx, chunks, self.chunk_bytes, self.errors)
 
     def _short(self, chunks: ChunkBatch, i: int, res) -> None:
         if res.error == "EOF":
@@ -452,7 +355,7 @@ class RestoreEngine:
                 f"(chunk tag {int(chunks.tag[i])})",
             )
 
-    def _scatter(self, st: "_Batch", b0: np.ndarray, idx: np.ndarray) -> None:
+    def _scatter(self, st: StagingBatch, b0: np.ndarray, idx: np.ndarray) -> None:
         """Scatter chunks ``idx`` (positions in the batch) from buffer offsets ``b0`` (int64)."""
         ch = st.chunks
         scatter_chunks(
@@ -460,7 +363,7 @@ class RestoreEngine:
             torch.from_numpy(ch.layer[idx]), impl=self.scatter_impl,
         )
 
-    def _piece_done(self, st: "_Batch", k: int, res) -> None:
+    def _piece_done(self, st: StagingBatch, k: int, res) -> None:
         """Worker-side: verify and scatter the chunks piece ``k`` owns, now that it was read."""
         lo, hi = int(st.own_lo[k]), int(st.own_lo[k + 1])
         if lo == hi:
@@ -482,9 +385,10 @@ class RestoreEngine:
         if b0.shape[0]:
             self._scatter(st, b0, idx)
 
-    def _finish_batch(self, st: "_Batch", win, b: int, layout, failed: set[int]) -> None:
+    def _finish_batch(self, st: StagingBatch, win, b: int, layout, failed: set[int], scatter: bool = True) -> None:
         """Wait for a batch's reads (and worker-side scatters); then, for the chunks no worker
-        owned, drop those not fully read or failing their checksum and scatter the rest.
+        owned, drop those not fully read or failing their checksum and scatter the rest
+        (with ``scatter=False``, only the not-fully-read check).
 
         A chunk spanning pieces ``k0..k1`` is fully read when pieces ``k0..k1-1`` are complete
         and piece ``k1`` got at least up to the chunk's end (vectorized over the chunks)."""
@@ -515,6 +419,8 @@ class RestoreEngine:
                     self._short(ch, i, results[ks[0]])
                 keep = ~short
                 b0, idx = b0[keep], idx[keep]
+        if not scatter:  # reads-only mode: the bytes stay in staging
+            return
         if self.cfg.verify_checksums and b0.shape[0] and ch.has_checksum[idx].any():
             host = buf.array if buf.array is not None else buf.tensor[: st.used].cpu().numpy()
             ok = self._verify(host, b0, idx, ch)
@@ -552,7 +458,7 @@ class RestoreEngine:
             self._closed = True
         self._engine.close()
         self._scatter_pool.shutdown(wait=True)
-        self._pool.close()
+        self.staging.close()
 
     def __enter__(self) -> "RestoreEngine":
         return self
@@ -561,7 +467,4 @@ class RestoreEngine:
         self.close()
 
 
-__all__ = [
-    "ChunkBatch", "ChunkRead", "RestoreEngine", "RestoreReport", "EngineUnavailableError", "MIN_AUTO_STAGING_BYTES",
-    "auto_staging_bytes",
-]
+__all__ = ["RestoreEngine", "RestoreReport", "MIN_AUTO_STAGING_BYTES", "auto_staging_bytes"]

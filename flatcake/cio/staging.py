@@ -28,7 +28,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from flatcake.config import ALIGN
+from flatcake.align import ALIGN
 
 log = logging.getLogger(__name__)
 
@@ -131,6 +131,11 @@ class StagingPool:
         self._cv = threading.Condition()
         self._closed = False
         self.waits = 0  # acquisitions that had to wait for a window (diagnostic)
+
+    @property
+    def windows(self) -> tuple[StagingWindow, ...]:
+        """Every window of the pool, busy or not (their buffers' memory, for inspection)."""
+        return tuple(self._windows)
 
     @property
     def total_bytes(self) -> int:

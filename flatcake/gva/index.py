@@ -43,14 +43,18 @@ class SessionScope:
         turn: the session's turn (1 for a new session; bumped by hit queries that reach the tail).
         prev_turn_tokens / cur_turn_tokens: tokens appended in the previous / current turn.
         keys: every published key, in write order.
-        extents: SSD extents owned (``flatcake.media.ssd.Extent``), or DRAM slot numbers.
+        extents: SSD extents owned (``flatcake.media.ssd.Extent``), in order.
+        slots: DRAM slot numbers owned (each slot has exactly one owning scope).
+        tail_key: the last key of the session's chain (the next round joins here), or None.
+        tail_offset: SSD: next free byte inside ``extents[-1]``.
+        round_seq: SSD: sequence number of the next round.
         nbytes: bytes of medium held.
         last_used_s: ``time.monotonic()`` of the last read or write (reclaim picks the oldest).
     """
 
     __slots__ = (
         "scope_id", "medium", "reuse", "turn", "prev_turn_tokens", "cur_turn_tokens", "keys",
-        "extents", "slots", "tail_key", "tail_offset", "round_seq", "nbytes", "created_s",
+        "extents", "slots", "tail_key", "tail_offset", "round_seq", "nbytes",
         "last_used_s", "_refs", "_lock", "retired",
     )
 
@@ -68,7 +72,7 @@ class SessionScope:
         self.tail_offset = 0  # SSD: next free byte inside extents[-1]
         self.round_seq = 0
         self.nbytes = 0
-        self.created_s = self.last_used_s = time.monotonic()
+        self.last_used_s = time.monotonic()
         self._refs = 0
         self._lock = threading.Lock()
         self.retired = False
@@ -198,10 +202,6 @@ class GvaIndex:
         """Live scopes of ``medium``, least recently used first."""
         return sorted((s for s in self.scopes.values() if s.medium == medium), key=lambda s: (s.last_used_s, s.scope_id))
 
-    def clear_locked(self) -> None:
-        self._map = {}
-        self.scopes.clear()
-        self.tails.clear()
 
 
 class InterestCounter:

@@ -139,10 +139,6 @@ class JournalReader:
             self.offset += ENTRY_BYTES
         return restarted, out
 
-    def skip_to_end(self) -> None:
-        """Forget everything up to now (a follower's ``clear``)."""
-        self.offset = max(self.size(), 0)
-
     def close(self) -> None:
         if self._fd >= 0:
             os.close(self._fd)

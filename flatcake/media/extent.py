@@ -26,7 +26,9 @@ from typing import Sequence
 import numpy as np
 import xxhash
 
-BLOCK = 4096
+from flatcake.align import ALIGN, align_up
+
+BLOCK = ALIGN  # bytes: every header, record and round starts and ends on a 4 KiB block
 EXTENT_GRID = 256 << 10  # bytes: extents start on 256 KiB boundaries
 EXTENT_MAGIC = b"FCEXTNT1"
 ROUND_MAGIC = b"FCROUND1"
@@ -36,11 +38,6 @@ FORMAT_VERSION = 1
 _EXT = struct.Struct("<8sIIQQQ16sI")  # magic, version, node, scope_id, extent_seq, reserved_bytes, ns digest, ns len
 _RND = struct.Struct("<8sIIIIQQQQ")  # magic, version, seq, n_pages, layers, chunk_bytes, data_bytes, record_bytes, scope_id
 _REC = struct.Struct("<8s16sIIQQ")  # magic, ns digest, n_pages, layers, chunk_bytes, keys_bytes
-
-
-def align_up(n: int, a: int = BLOCK) -> int:
-    """Round ``n`` up to a multiple of ``a``."""
-    return (n + a - 1) // a * a
 
 
 def namespace_digest(namespace: str) -> bytes:
@@ -98,10 +95,6 @@ class RoundLayout:
     chunk_bytes: int
     data_bytes: int  # padded to BLOCK
     record_bytes: int  # padded to BLOCK
-
-    @property
-    def data_offset(self) -> int:
-        return BLOCK
 
     @property
     def record_offset(self) -> int:

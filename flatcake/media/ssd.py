@@ -32,7 +32,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from flatcake.config import SsdConfig
-from flatcake.media.extent import BLOCK, EXTENT_GRID, align_up, namespace_digest
+from flatcake.align import align_up
+from flatcake.media.extent import BLOCK, EXTENT_GRID, namespace_digest
 
 log = logging.getLogger("flatcake.ssd")
 
@@ -100,6 +101,21 @@ def probe_direct_io(directory: str) -> bool:
             pass
 
 
+def ensure_pool_dir(path: str) -> None:
+    """Create ``path`` (the ``ssd.path`` directory) if needed and check it is writable.
+
+    Raises:
+        SsdStartupError: it cannot be created or is not a writable directory (names ``ssd.path``
+            and the errno).
+    """
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise SsdStartupError(f"ssd.path {path!r}: cannot create directory: [errno {e.errno}] {e.strerror}") from None
+    if not os.path.isdir(path) or not os.access(path, os.W_OK | os.X_OK):
+        raise SsdStartupError(f"ssd.path {path!r}: not a writable directory")
+
+
 class _FreeRanges:
     """Free byte ranges of one file: sorted starts + lengths, coalesced on free."""
 
@@ -161,12 +177,7 @@ class SsdFilePool:
         self.capacity_bytes = cfg.file_bytes * cfg.max_files
         self.follower = follower
         self.prefix = "fc-" + namespace_digest(namespace + "|" + instance).hex()[:16]
-        try:
-            os.makedirs(cfg.path, exist_ok=True)
-        except OSError as e:
-            raise SsdStartupError(f"ssd.path {cfg.path!r}: cannot create directory: [errno {e.errno}] {e.strerror}") from None
-        if not os.path.isdir(cfg.path) or not os.access(cfg.path, os.W_OK | os.X_OK):
-            raise SsdStartupError(f"ssd.path {cfg.path!r}: not a writable directory")
+        ensure_pool_dir(cfg.path)
         if cfg.direct_io == "off":
             self.direct_io = False
         else:
@@ -311,6 +322,12 @@ class SsdFilePool:
             self.used_bytes -= self.file_bytes - sum(fr.lens)
             self._free[file_index] = _FreeRanges(self.file_bytes)
         os.makedirs(self.cfg.path, exist_ok=True)
+
+    def free_ranges(self, file_index: int) -> list[tuple[int, int]]:
+        """Free ``(offset, nbytes)`` ranges of pool file ``file_index`` in offset order (empty for
+        a file not created yet). A snapshot; take the writer lock for a consistent one."""
+        fr = self._free.get(file_index)
+        return list(zip(fr.starts, fr.lens)) if fr is not None else []
 
     def used_fraction(self) -> float:
         """Allocated bytes over pool capacity."""

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import json
 import logging
 import os
@@ -43,8 +44,9 @@ log = logging.getLogger("flatcake.replay")
 _CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 DEFAULT_MODEL_PROFILE = _CONFIGS / "model-qwen2.5-0.5b.yaml"
 
-#: replay-section keys and their defaults (``docs/replay.md`` lists them with units)
-REPLAY_DEFAULTS: dict[str, Any] = {
+#: replay-section keys of the harness, with their defaults (``docs/replay.md`` lists them with
+#: units); the engine model's keys and defaults are :class:`EngineConfig`'s fields, added below
+HARNESS_DEFAULTS: dict[str, Any] = {
     "trace": None,
     "systems": ["flatcake", "file"],
     "max_requests": None,
@@ -53,17 +55,14 @@ REPLAY_DEFAULTS: dict[str, Any] = {
     "session_gap_s": 60.0,  # WEKA: seconds between conversation starts
     "skip_sessions": 0,
     "max_context_tokens": None,  # WEKA: skip conversations with a larger prompt
-    "hbm_pages": 512,
-    "host_pool_pages": 512,
-    "prefetch_threshold_tokens": 256,
-    "prefetch_policy": "wait_complete",
-    "prefetch_timeout_base_s": 1.0,
-    "prefetch_timeout_per_ki_token_s": 0.25,
     "drop_page_cache": True,
     "keep_data": False,
     "file_extra": {},
     "plot": True,  # write ttft_cdf.png (matplotlib)
 }
+
+#: every replay-section key and its default: the harness's plus :class:`EngineConfig`'s
+REPLAY_DEFAULTS: dict[str, Any] = {**HARNESS_DEFAULTS, **{f.name: f.default for f in dataclasses.fields(EngineConfig)}}
 
 
 def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
@@ -152,6 +151,60 @@ def _disk_bytes(root: Path) -> int:
     return total
 
 
+def _replay_requests(engines: dict, reqs, keys, progress: bool) -> dict[str, list[RequestOutcome]]:
+    """Serve every request on every system's engine, one request at a time, rotating which
+    system goes first so neither always meets a warmer or colder disk."""
+    names = list(engines)
+    outcomes: dict[str, list[RequestOutcome]] = {n: [] for n in names}
+    bar = tqdm(total=len(reqs), desc="replay", unit="req", disable=not progress, file=sys.stderr)
+    hit = dict.fromkeys(names, 0)  # running delivered-hit pages, for the bar
+    seen_pages = 0
+    for i, (r, ks) in enumerate(zip(reqs, keys)):
+        order = names[i % len(names):] + names[: i % len(names)]
+        for n in order:
+            o = engines[n].run(ks, r.prompt_tokens)
+            outcomes[n].append(o)
+            hit[n] += o.hbm_pages + o.l3_pages
+        seen_pages += len(ks)
+        bar.update(1)
+        if progress:
+            bar.set_postfix({n: f"{hit[n] / max(1, seen_pages):.1%}" for n in names}, refresh=False)
+    bar.close()
+    return outcomes
+
+
+def _close_systems(systems: dict, out: Path, keep_data: bool) -> tuple[dict, dict]:
+    """Final counters and on-disk bytes of every system; closes them and, unless ``keep_data``,
+    removes their storage directories. Returns ``(counters, disk_bytes)``."""
+    counters, disk = {}, {}
+    for n, s in systems.items():
+        try:
+            counters[n] = s.counters()
+        except Exception:
+            counters[n] = {}
+        s.close()
+        root = out / ("hicache-file" if n == "file" else "flatcake-ssd")
+        disk[n] = _disk_bytes(root)
+        if not keep_data:
+            shutil.rmtree(root, ignore_errors=True)
+    return counters, disk
+
+
+def _write_requests_csv(path: Path, outcomes: dict[str, list[RequestOutcome]]) -> None:
+    """One row per request and system."""
+    with path.open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["request", "system", "pages", "prompt_tokens", "hbm_pages", "l3_query_pages",
+                    "dram_pages", "ssd_pages", "computed_pages", "written_pages", "verify_failures",
+                    "query_s", "read_s", "load_s", "prefill_s", "ttft_s", "write_s"])
+        for n, outs in outcomes.items():
+            for i, o in enumerate(outs):
+                w.writerow([i, n, o.pages, o.prompt_tokens, o.hbm_pages, o.l3_query_pages, o.dram_pages,
+                            o.ssd_pages, o.computed_pages, o.written_pages, o.verify_failures,
+                            f"{o.query_s:.6f}", f"{o.read_s:.6f}", f"{o.load_s:.6f}",
+                            f"{o.prefill_s:.6f}", f"{o.ttft_s:.6f}", f"{o.write_s:.6f}"])
+
+
 def run_replay(cfg: FlatCakeConfig, settings: dict[str, Any], profile: ModelProfile,
                progress: bool = True) -> dict[str, Any]:
     """Replay ``settings['trace']`` through every system and write the outputs.
@@ -171,7 +224,7 @@ def run_replay(cfg: FlatCakeConfig, settings: dict[str, Any], profile: ModelProf
     unique = len({k for ks in keys for k in ks})
     load_s = time.perf_counter() - t0
 
-    ecfg = EngineConfig(**{k: settings[k] for k in EngineConfig.__dataclass_fields__})
+    ecfg = EngineConfig(**{f.name: settings[f.name] for f in dataclasses.fields(EngineConfig)})
     fc_keys = _flatten(cfg.model_dump(exclude={"model", "replay"}))
     names = list(settings["systems"])
     systems = {
@@ -179,43 +232,17 @@ def run_replay(cfg: FlatCakeConfig, settings: dict[str, Any], profile: ModelProf
                        settings["drop_page_cache"])
         for n in names
     }
-    engines = {n: Engine(systems[n], profile, ecfg) for n in names}
-    outcomes: dict[str, list[RequestOutcome]] = {n: [] for n in names}
-    disk: dict[str, int] = {}
     try:
-        bar = tqdm(total=len(reqs), desc="replay", unit="req", disable=not progress, file=sys.stderr)
-        hit = dict.fromkeys(names, 0)  # running delivered-hit pages, for the bar
-        seen_pages = 0
-        for i, (r, ks) in enumerate(zip(reqs, keys)):
-            # rotate which system goes first so neither always meets a warmer/colder disk
-            order = names[i % len(names):] + names[: i % len(names)]
-            for n in order:
-                o = engines[n].run(ks, r.prompt_tokens)
-                outcomes[n].append(o)
-                hit[n] += o.hbm_pages + o.l3_pages
-            seen_pages += len(ks)
-            bar.update(1)
-            if progress:
-                bar.set_postfix({n: f"{hit[n] / max(1, seen_pages):.1%}" for n in names}, refresh=False)
-        bar.close()
+        outcomes = _replay_requests({n: Engine(systems[n], profile, ecfg) for n in names}, reqs, keys, progress)
     finally:
-        counters = {}
-        for n, s in systems.items():
-            try:
-                counters[n] = s.counters()
-            except Exception:
-                counters[n] = {}
-            s.close()
-            root = out / ("hicache-file" if n == "file" else "flatcake-ssd")
-            disk[n] = _disk_bytes(root)
-            if not settings["keep_data"]:
-                shutil.rmtree(root, ignore_errors=True)
+        counters, disk = _close_systems(systems, out, settings["keep_data"])
 
+    fmt = detect_format(trace)
     summary: dict[str, Any] = {
         "trace": os.path.normpath(str(trace)),
-        "trace_format": detect_format(trace),
+        "trace_format": fmt,
         "requests": len(reqs),
-        "sessions": len({r.session for r in reqs}) if detect_format(trace) == "weka" else None,
+        "sessions": len({r.session for r in reqs}) if fmt == "weka" else None,
         "prompt_pages": total,
         "unique_pages": unique,
         "ideal_hit_rate": hits / total if total else None,
@@ -239,17 +266,7 @@ def run_replay(cfg: FlatCakeConfig, settings: dict[str, Any], profile: ModelProf
     (out / "summary.md").write_text(markdown(summary))
     if settings.get("plot", True):
         plot_ttft_cdf({n: [o.ttft_s for o in outcomes[n]] for n in names}, out / "ttft_cdf.png")
-    with (out / "requests.csv").open("w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["request", "system", "pages", "prompt_tokens", "hbm_pages", "l3_query_pages",
-                    "dram_pages", "ssd_pages", "computed_pages", "written_pages", "verify_failures",
-                    "query_s", "read_s", "load_s", "prefill_s", "ttft_s", "write_s"])
-        for n in names:
-            for i, o in enumerate(outcomes[n]):
-                w.writerow([i, n, o.pages, o.prompt_tokens, o.hbm_pages, o.l3_query_pages, o.dram_pages,
-                            o.ssd_pages, o.computed_pages, o.written_pages, o.verify_failures,
-                            f"{o.query_s:.6f}", f"{o.read_s:.6f}", f"{o.load_s:.6f}",
-                            f"{o.prefill_s:.6f}", f"{o.ttft_s:.6f}", f"{o.write_s:.6f}"])
+    _write_requests_csv(out / "requests.csv", outcomes)
     return summary
 
 

@@ -38,6 +38,7 @@ from typing import Any, Mapping, Optional
 
 import torch
 
+from flatcake.config import FLATCAKE_EXTRA
 from flatcake.media.ssd import drop_page_cache
 from flatcake.replay.engine import ModelProfile
 
@@ -59,29 +60,52 @@ COUNTER_KEYS = (
 )
 
 
+def unwrap_failure_injector(backend):
+    """The backend itself, also when SGLang's test fault injector wraps it.
+
+    With ``SGLANG_TEST_HICACHE_BACKEND_RANDOM_{DELAY,FAILURE}`` set, SGLang's factory returns a
+    ``HiCacheStorageFailureInjector`` around the backend; the harness calls the wrapper (as
+    SGLang does) but reads counters and file paths from the backend inside. The injector keeps
+    it in its ``_backend`` attribute and offers no public accessor (sglang 0.5.23), so this is
+    the one place the harness reads it.
+    """
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageFailureInjector
+
+    if isinstance(backend, HiCacheStorageFailureInjector):
+        return backend._backend
+    return backend
+
+
 def _extra_info(prefix_keys):
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo
 
     return HiCacheStorageExtraInfo(prefix_keys=list(prefix_keys))
 
 
-def storage_config(profile: ModelProfile, extra_config: dict):
-    """The ``HiCacheStorageConfig`` a single-rank SGLang server builds for ``profile``."""
+def storage_config(extra_config: dict, *, model: str = "test-model", mla: bool = False, layout: str = "page_first",
+                   tp_rank: int = 0, tp_size: int = 1):
+    """The ``HiCacheStorageConfig`` SGLang's controller builds for one rank (PP = CP = 1, DP rank
+    0, metrics off): ``is_page_first_layout`` is true for ``page_first`` only, as in SGLang.
+
+    Args:
+        extra_config: the ``--hicache-storage-backend-extra-config`` mapping.
+        model: ``model_name`` (SGLang's ``--served-model-name``).
+        mla: ``is_mla_model`` (KV replicated over TP ranks; only rank 0 writes).
+        layout: the host-pool layout.
+        tp_rank, tp_size: the rank's tensor-parallel position.
+    """
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
 
     return HiCacheStorageConfig(
-        tp_rank=0,
-        tp_size=1,
-        pp_rank=0,
-        pp_size=1,
-        attn_cp_rank=0,
-        attn_cp_size=1,
-        is_mla_model=profile.attention == "mla",
-        enable_storage_metrics=False,
-        is_page_first_layout=profile.layout == "page_first",
-        model_name=profile.name,
-        extra_config=extra_config,
+        tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
+        is_mla_model=mla, enable_storage_metrics=False, is_page_first_layout=layout == "page_first",
+        model_name=model, extra_config=extra_config,
     )
+
+
+def profile_storage_config(profile: ModelProfile, extra_config: dict):
+    """:func:`storage_config` for a model profile (its name, attention and layout)."""
+    return storage_config(extra_config, model=profile.name, mla=profile.attention == "mla", layout=profile.layout)
 
 
 class L3System:
@@ -102,9 +126,7 @@ class L3System:
         self.backend = backend
         self.page_size = profile.page_size
         self.errors = 0
-        # the backend itself, also when SGLang's test fault injector wraps it
-        # (SGLANG_TEST_HICACHE_BACKEND_RANDOM_{DELAY,FAILURE}); harness bookkeeping uses this one
-        self.inner = getattr(backend, "_backend", backend)
+        self.inner = unwrap_failure_injector(backend)  # harness bookkeeping uses this one
         self.last_call_s = 0.0  # seconds of the last exists/get/set call (storage time)
 
     def exists(self, keys: list[str], prefix_keys: list[str]) -> int:
@@ -169,7 +191,7 @@ class FileSystem(L3System):
 
         self.root = Path(root)
         cfg = {"file_storage_path": str(self.root), **dict(extra or {})}
-        backend = StorageBackendFactory.create_backend("file", storage_config(profile, cfg), None)
+        backend = StorageBackendFactory.create_backend("file", profile_storage_config(profile, cfg), None)
         backend.register_mem_pool_host(pool)
         super().__init__(profile, pool, backend)
         self.drop_page_cache = drop_page_cache
@@ -178,8 +200,8 @@ class FileSystem(L3System):
         self._new_keys: list[str] = []
 
     def _path(self, key: str) -> str:
-        # HiCacheFile's own naming: <file_path>/<key><config suffix>.bin
-        return os.path.join(self.inner.file_path, f"{self.inner._get_suffixed_key(key)}.bin")
+        # HiCacheFile's own naming of a KV page: <file_path>/<key><config_suffix>.bin
+        return os.path.join(self.inner.file_path, f"{key}{self.inner.config_suffix}.bin")
 
     def _drop(self, keys, sync: bool) -> None:
         if not self.drop_page_cache or not keys:
@@ -258,16 +280,8 @@ class FlatCakeSystem(L3System):
     def __init__(self, profile: ModelProfile, pool, ssd_dir: Path, flatcake_keys: Mapping[str, Any]):
         from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 
-        extra = {
-            "backend_name": "flatcake",
-            "module_path": "flatcake",
-            "class_name": "FlatCakeStorage",
-            "interface_v1": 1,
-            "hicache_storage_pass_prefix_keys": True,
-            **dict(flatcake_keys),
-            "ssd.path": str(ssd_dir),
-        }
-        backend = StorageBackendFactory.create_backend("dynamic", storage_config(profile, extra), None)
+        extra = {**FLATCAKE_EXTRA, **dict(flatcake_keys), "ssd.path": str(ssd_dir)}
+        backend = StorageBackendFactory.create_backend("dynamic", profile_storage_config(profile, extra), None)
         backend.register_mem_pool_host(pool)
         super().__init__(profile, pool, backend)
         self._stats = getattr(self.inner, "flatcake_stats", None)

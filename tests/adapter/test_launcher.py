@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from flatcake.adapter import launcher
-from flatcake.adapter.launcher import FLATCAKE_EXTRA, main, rewrite_argv
+from flatcake.adapter.launcher import main, rewrite_argv
+from flatcake.config import FLATCAKE_EXTRA
 
 REPO = Path(__file__).resolve().parents[2]
 BASE = ["--model-path", "some/model", "--page-size", "64", "--enable-hierarchical-cache"]

@@ -7,22 +7,15 @@ import threading
 
 import pytest
 import torch
-from flatcake_testkit import fill_page, page_matches, slots_of, storage_config
+from flatcake_testkit import fill_page, page_matches, slots_of, storage_config, write_pages
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageExtraInfo
 
 from flatcake.adapter.storage import FlatCakeStorage
 from flatcake.config import ConfigError
-from flatcake.gva.address import MEDIUM_DRAM, MEDIUM_SSD, medium_of
-from flatcake.layout import UnsupportedLayoutError
+from flatcake.layout import SUPPORTED_LAYOUTS, UnsupportedLayoutError
 from flatcake.media.ssd import SsdStartupError
 
-LAYOUTS = ["layer_first", "page_first", "page_first_direct"]
-
-
-def _write(be, pool, keys, pages, prefix=None):
-    for k, p in zip(keys, pages):
-        fill_page(pool, p * pool.page_size, k)
-    return be.batch_set_v1(keys, slots_of(pool, pages), HiCacheStorageExtraInfo(prefix_keys=list(prefix or [])))
+LAYOUTS = list(SUPPORTED_LAYOUTS)
 
 
 def test_factory_builds_flatcake_subclass(make_backend):
@@ -42,10 +35,9 @@ def test_zero_copy_round_trip_is_bit_exact(make_backend, mla, layout, dram):
     if dram:  # two hit queries before the write make it a shared prompt -> DRAM
         be.batch_exists(keys)
         be.batch_exists(keys)
-    assert _write(be, pool, keys, range(10)) == [True] * 10
+    assert write_pages(be, pool, keys, range(10)) == [True] * 10
     assert be.batch_exists(keys) == 10
-    media = {medium_of(be.store.index.get(k).gva) for k in keys}
-    assert media == ({MEDIUM_DRAM} if dram else {MEDIUM_SSD})
+    assert {be.store.medium_of(k) for k in keys} == ({"dram"} if dram else {"ssd"})
     pool.kv_buffer.zero_()
     dst = list(range(20, 30))
     assert be.batch_get_v1(keys, slots_of(pool, dst)) == [True] * 10
@@ -78,17 +70,17 @@ def test_generic_path_round_trip_is_bit_exact(make_backend, mla, layout):
 def test_leading_run_with_holes(make_backend):
     be, pool = make_backend()
     keys = [f"h{i}" for i in range(8)]
-    assert _write(be, pool, keys[2:], range(2, 8)) == [True] * 6
+    assert write_pages(be, pool, keys[2:], range(2, 8)) == [True] * 6
     assert be.batch_exists(keys) == 0  # pages 0..1 absent
     assert be.batch_get_v1(keys, slots_of(pool, range(8))) == [False] * 8
     # out of order: 0, then 3 (hole at 1..2 filled later)
     be2, pool2 = make_backend(model="other")
-    _write(be2, pool2, [keys[0]], [0])
-    _write(be2, pool2, [keys[3]], [3])
+    write_pages(be2, pool2, [keys[0]], [0])
+    write_pages(be2, pool2, [keys[3]], [3])
     assert be2.batch_exists(keys) == 1
-    _write(be2, pool2, [keys[1]], [1])
+    write_pages(be2, pool2, [keys[1]], [1])
     assert be2.batch_exists(keys) == 2
-    _write(be2, pool2, [keys[2]], [2])
+    write_pages(be2, pool2, [keys[2]], [2])
     assert be2.batch_exists(keys) == 4
     assert be2.batch_get_v1(keys[:6], slots_of(pool2, range(10, 16))) == [True] * 4 + [False] * 2
 
@@ -96,9 +88,9 @@ def test_leading_run_with_holes(make_backend):
 def test_rewrite_is_idempotent(make_backend):
     be, pool = make_backend()
     keys = ["r0", "r1"]
-    _write(be, pool, keys, [0, 1])
+    write_pages(be, pool, keys, [0, 1])
     written = be.flatcake_stats()["pages_written_ssd"]
-    assert _write(be, pool, keys, [0, 1]) == [True, True]
+    assert write_pages(be, pool, keys, [0, 1]) == [True, True]
     assert be.flatcake_stats()["pages_written_ssd"] == written
 
 
@@ -106,7 +98,7 @@ def test_rewrite_is_idempotent(make_backend):
 def test_namespace_separation_is_a_miss_never_bytes(make_backend, other):
     be, pool = make_backend()
     keys = [f"n{i}" for i in range(4)]
-    _write(be, pool, keys, range(4))
+    write_pages(be, pool, keys, range(4))
     kw = dict(other)
     be2, pool2 = make_backend(**kw)
     assert be2.namespace != be.namespace
@@ -118,7 +110,7 @@ def test_namespace_separation_is_a_miss_never_bytes(make_backend, other):
 def test_mla_non_writer_rank_writes_nothing(make_backend):
     be, pool = make_backend(mla=True, tp_rank=1, tp_size=2)
     assert be.storage_config.is_storage_writer is False
-    assert _write(be, pool, ["m0", "m1"], [0, 1]) == [True, True]
+    assert write_pages(be, pool, ["m0", "m1"], [0, 1]) == [True, True]
     assert be.batch_exists(["m0", "m1"]) == 0
     assert be.flatcake_stats()["pages_written_ssd"] == 0
 
@@ -126,8 +118,8 @@ def test_mla_non_writer_rank_writes_nothing(make_backend):
 def test_truncated_file_is_a_miss_for_that_page_and_later(make_backend):
     be, pool = make_backend(extra={"cio.verify_checksums": True})
     keys = [f"t{i}" for i in range(6)]
-    _write(be, pool, keys[:3], range(3))
-    _write(be, pool, keys[3:], range(3, 6), prefix=keys[:3])
+    write_pages(be, pool, keys[:3], range(3))
+    write_pages(be, pool, keys[3:], range(3, 6), prefix=keys[:3])
     # the file loses everything from page 4's last-layer chunk on (layer-major: pages 4 and 5
     # of the second round lose their last layer; page 3's chunks all lie before that offset)
     e = be.store.index.get(keys[4])
@@ -146,7 +138,7 @@ def test_truncated_file_is_a_miss_for_that_page_and_later(make_backend):
 def test_corrupted_bytes_are_a_miss_not_other_bytes(make_backend):
     be, pool = make_backend()
     keys = ["c0", "c1"]
-    _write(be, pool, keys, [0, 1])
+    write_pages(be, pool, keys, [0, 1])
     e = be.store.index.get("c1")
     f, o = divmod(e.gva & ((1 << 48) - 1), be.cfg.ssd.file_bytes)
     with open(be.store.ssd.path_of(f), "r+b") as fh:
@@ -238,9 +230,9 @@ def test_three_sglang_threads_concurrently(make_backend):
     def backup():
         for s, keys in enumerate(sessions):
             pages = range(s * 12, s * 12 + 12)
-            if _write(be, pool, keys[:6], pages[:6]) != [True] * 6:
+            if write_pages(be, pool, keys[:6], pages[:6]) != [True] * 6:
                 errors.append("put")
-            if _write(be, pool, keys[6:], pages[6:], prefix=keys[:6]) != [True] * 6:
+            if write_pages(be, pool, keys[6:], pages[6:], prefix=keys[:6]) != [True] * 6:
                 errors.append("put")
         write_done.set()
 
@@ -289,7 +281,7 @@ def test_get_stats_reports_pages_per_call_and_drains(make_backend, monkeypatch):
     monkeypatch.setitem(sys.modules, "sglang.srt.observability.metrics_collector", mod)
     be, pool = make_backend()
     be.storage_config.enable_storage_metrics = True
-    _write(be, pool, ["m0", "m1", "m2"], [0, 1, 2])
+    write_pages(be, pool, ["m0", "m1", "m2"], [0, 1, 2])
     be.batch_get_v1(["m0", "m1"], slots_of(pool, [5, 6]))
     m = be.get_stats()
     assert (m.backup_pgs, m.prefetch_pgs) == ([3], [2])
@@ -300,8 +292,8 @@ def test_get_stats_reports_pages_per_call_and_drains(make_backend, monkeypatch):
 
 def test_clear_forgets_unpinned_scopes_and_frees_their_space(make_backend):
     be, pool = make_backend()
-    _write(be, pool, ["a0", "a1"], [0, 1])
-    _write(be, pool, ["b0"], [2])
+    write_pages(be, pool, ["a0", "a1"], [0, 1])
+    write_pages(be, pool, ["b0"], [2])
     held = be.store.index.get("b0").scope
     held.try_acquire()
     be.clear()
@@ -314,7 +306,7 @@ def test_clear_forgets_unpinned_scopes_and_frees_their_space(make_backend):
 
 def test_calls_after_close_are_misses_not_errors(make_backend):
     be, pool = make_backend()
-    _write(be, pool, ["z0"], [0])
+    write_pages(be, pool, ["z0"], [0])
     be.close()
     assert be.batch_exists(["z0"]) == 0
     assert be.batch_get_v1(["z0"], slots_of(pool, [1])) == [False]
@@ -324,7 +316,7 @@ def test_calls_after_close_are_misses_not_errors(make_backend):
 
 def test_close_waits_for_a_running_read(make_backend):
     be, pool = make_backend()
-    _write(be, pool, ["w0", "w1"], [0, 1])
+    write_pages(be, pool, ["w0", "w1"], [0, 1])
     started, results = threading.Event(), []
     real = be.store.cio.restore
 
@@ -350,15 +342,15 @@ def test_pool_removed_behind_the_backend_stops_hits_and_recovers(make_backend):
 
     be, pool = make_backend()
     keys = [f"rm{i}" for i in range(4)]
-    _write(be, pool, keys, range(4))
+    write_pages(be, pool, keys, range(4))
     shutil.rmtree(be.cfg.ssd.path)  # a tmp cleaner removes the pool
     assert be.batch_exists(keys) == 4  # nothing has noticed yet
     assert be.batch_get_v1(keys, slots_of(pool, range(8, 12))) == [False] * 4
     assert be.batch_exists(keys) == 0  # the unreadable scope is no longer advertised
     # new writes detect the removed file, drop what lived there and recreate the pool
     other = [f"new{i}" for i in range(3)]
-    assert _write(be, pool, other, range(20, 23)) == [False] * 3
-    assert _write(be, pool, other, range(20, 23)) == [True] * 3
+    assert write_pages(be, pool, other, range(20, 23)) == [False] * 3
+    assert write_pages(be, pool, other, range(20, 23)) == [True] * 3
     pool.kv_buffer.zero_()
     assert be.batch_get_v1(other, slots_of(pool, range(30, 33))) == [True] * 3
     assert all(page_matches(pool, (30 + i) * pool.page_size, k) for i, k in enumerate(other))
@@ -366,7 +358,7 @@ def test_pool_removed_behind_the_backend_stops_hits_and_recovers(make_backend):
 
 def test_oversized_round_fails_without_reclaiming_anything(make_backend):
     be, pool = make_backend(extra={"ssd.file_bytes": 512 << 10, "ssd.max_files": 1})
-    _write(be, pool, ["keep0", "keep1"], [0, 1])
+    write_pages(be, pool, ["keep0", "keep1"], [0, 1])
     # 128 legal 4000-byte keys: their round's record alone (~512 KiB) cannot fit a 512 KiB file
     keys = [f"{'k' * 3990}{i:04d}" for i in range(128)]
     got = be.batch_set_v1(keys, torch.arange(128 * pool.page_size) % (60 * pool.page_size))
@@ -377,7 +369,7 @@ def test_oversized_round_fails_without_reclaiming_anything(make_backend):
 
 def test_bad_keys_fail_the_put_and_leave_no_pinned_scope(make_backend):
     be, pool = make_backend()
-    _write(be, pool, ["s1"], [0])
+    write_pages(be, pool, ["s1"], [0])
     assert be.batch_set_v1([None], slots_of(pool, [1]), HiCacheStorageExtraInfo(prefix_keys=["s1"])) == [False]
     assert be.batch_set_v1(["ok", "\ud800bad", "after"], slots_of(pool, [1, 2, 3])) == [True, False, False]
     assert be.store.index.get("s1").scope.refcount == 0
@@ -399,34 +391,9 @@ def test_host_indices_not_on_page_boundaries_are_refused(make_backend):
     bad = torch.arange(2, 6)  # slots 2..5 straddle pages 0 and 1 (page_size 4)
     assert be.batch_set_v1(["a"], bad) == [False]
     assert be.batch_exists(["a"]) == 0
-    _write(be, pool, ["a"], [0])
+    write_pages(be, pool, ["a"], [0])
     assert be.batch_get_v1(["a"], bad) == [False]
     assert be.batch_get_v1(["a"], torch.arange(4)) == [True]
-
-
-def test_mla_tp2_follower_rank_sees_the_writer_rank_pages(make_backend):
-    """SGLang takes the MIN hit count over TP ranks; for MLA only rank 0 writes, so rank 1
-    must see rank 0's pages (it tails rank 0's scope journal and reads its pool files)."""
-    w, wpool = make_backend(mla=True, tp_rank=0, tp_size=2, extra={"dram.capacity_bytes": 1 << 20, "cio.verify_checksums": False})
-    f, fpool = make_backend(mla=True, tp_rank=1, tp_size=2)
-    assert (w.store.role, f.store.role) == ("writer", "follower")
-    assert w.store.dram.n_slots == 0  # DRAM pages would be invisible to rank 1
-    keys = [f"mla{i}" for i in range(6)]
-    assert _write(w, wpool, keys[:3], range(3)) == [True] * 3
-    assert _write(w, wpool, keys[3:], range(3, 6), prefix=keys[:3]) == [True] * 3
-    assert _write(f, fpool, keys, range(6)) == [True] * 6  # non-writer: SGLang skips it; no bytes written
-    assert min(w.batch_exists(keys), f.batch_exists(keys)) == 6
-    assert f.batch_get_v1(keys, slots_of(fpool, range(10, 16))) == [True] * 6
-    assert all(page_matches(fpool, (10 + i) * fpool.page_size, k) for i, k in enumerate(keys))
-    assert f.store.cfg.cio.verify_checksums is True  # followers always verify
-    w.clear()  # the writer frees the scope: the follower stops advertising it
-    assert f.batch_exists(keys) == 0
-
-
-def test_second_writer_on_the_same_pool_fails_at_startup(make_backend):
-    make_backend()
-    with pytest.raises(SsdStartupError, match="in use by another FlatCake process"):
-        make_backend()
 
 
 def test_restore_of_dram_pages_issues_no_ssd_read(make_backend):
@@ -434,7 +401,7 @@ def test_restore_of_dram_pages_issues_no_ssd_read(make_backend):
     keys = ["d0", "d1", "d2"]
     be.batch_exists(keys)
     be.batch_exists(keys)  # a shared prompt: placed on DRAM
-    _write(be, pool, keys, range(3))
+    write_pages(be, pool, keys, range(3))
     before = be.flatcake_stats()
     assert be.batch_get_v1(keys, slots_of(pool, range(5, 8))) == [True] * 3
     after = be.flatcake_stats()
@@ -445,8 +412,8 @@ def test_restore_of_dram_pages_issues_no_ssd_read(make_backend):
 def test_missing_page_in_the_middle_reads_nothing_past_the_hole(make_backend):
     be, pool = make_backend()
     keys = [f"m{i}" for i in range(6)]
-    _write(be, pool, keys[:2], [0, 1])
-    _write(be, pool, keys[3:], [3, 4, 5])  # m2 never stored
+    write_pages(be, pool, keys[:2], [0, 1])
+    write_pages(be, pool, keys[3:], [3, 4, 5])  # m2 never stored
     before = be.flatcake_stats()["ssd_read_bytes"]
     assert be.batch_get_v1(keys, slots_of(pool, range(10, 16))) == [True, True] + [False] * 4
     read = be.flatcake_stats()["ssd_read_bytes"] - before
@@ -465,7 +432,7 @@ def test_replaced_pool_file_never_serves_old_bytes_even_without_checksums(make_b
     be, pool = make_backend(extra={"cio.verify_checksums": False, "ssd.file_bytes": 2 << 20, "ssd.max_files": 1})
     old = [[f"o{s}-{i}" for i in range(3)] for s in range(3)]
     for s, keys in enumerate(old):
-        _write(be, pool, keys, range(s * 3, s * 3 + 3))
+        write_pages(be, pool, keys, range(s * 3, s * 3 + 3))
         assert be.batch_get_v1(keys, slots_of(pool, range(40, 43))) == [True] * 3  # fds now cached
     path = be.store.ssd.path_of(0)
     if fault == "remove":
@@ -474,8 +441,8 @@ def test_replaced_pool_file_never_serves_old_bytes_even_without_checksums(make_b
         os.truncate(path, 0)
     new = [[f"n{s}-{i}" for i in range(3)] for s in range(3)]
     for s, keys in enumerate(new):
-        if _write(be, pool, keys, range(20 + s * 3, 23 + s * 3)) != [True] * 3:  # the first detects the fault
-            assert _write(be, pool, keys, range(20 + s * 3, 23 + s * 3)) == [True] * 3
+        if write_pages(be, pool, keys, range(20 + s * 3, 23 + s * 3)) != [True] * 3:  # the first detects the fault
+            assert write_pages(be, pool, keys, range(20 + s * 3, 23 + s * 3)) == [True] * 3
     pool.kv_buffer.zero_()
     for keys in new:
         assert be.batch_get_v1(keys, slots_of(pool, range(40, 43))) == [True] * 3
@@ -485,22 +452,3 @@ def test_replaced_pool_file_never_serves_old_bytes_even_without_checksums(make_b
         n = got.index(False) if False in got else 3
         assert all(page_matches(pool, (50 + i) * pool.page_size, keys[i]) for i in range(n))
         assert n == 0
-
-
-def test_follower_starts_over_when_the_writer_restarts(make_backend):
-    w1, wpool = make_backend(mla=True, tp_rank=0, tp_size=2)
-    f, fpool = make_backend(mla=True, tp_rank=1, tp_size=2)
-    a = [f"A{i}" for i in range(4)]
-    _write(w1, wpool, a, range(4))
-    assert f.batch_exists(a) == 4
-    w1.close()
-    w2, wpool2 = make_backend(mla=True, tp_rank=0, tp_size=2)  # a restarted writer: a new journal
-    b = [f"B{i}" for i in range(4)]
-    b2 = [f"B2{i}" for i in range(4)]
-    _write(w2, wpool2, b, range(4))
-    _write(w2, wpool2, b2, range(4, 8))
-    assert (f.batch_exists(a), f.batch_exists(b), f.batch_exists(b2)) == (0, 4, 4)
-    assert f.batch_get_v1(b + b2, slots_of(fpool, range(10, 18))) == [True] * 8
-    assert all(page_matches(fpool, (10 + i) * fpool.page_size, k) for i, k in enumerate(b + b2))
-    f.close()
-    assert f.batch_set_v1(b, slots_of(fpool, range(4))) == [False] * 4  # closed: no success reported

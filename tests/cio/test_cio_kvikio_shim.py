@@ -20,8 +20,8 @@ import libcuda_shim as loader  # noqa: E402
 SCRIPT = r"""
 import json, os, sys, logging
 import torch
-from cio_util import LAYERS, extent_chunks, kv_bytes, make_pool, path_fn, reference, write_extent
-from flatcake.cio import ChunkRead, RestoreEngine
+from cio_util import LAYERS, extent_chunks, kv_bytes, make_pool, path_fn, reference, subset, write_extent
+from flatcake.cio import RestoreEngine
 from flatcake.config import CioConfig
 
 d = sys.argv[1]
@@ -32,22 +32,21 @@ cb = lay.geometry.chunk_bytes
 data = write_extent(os.path.join(d, "f0"), N, LAYERS, cb, seed=31, base=300)
 chunks = extent_chunks(data, 0, N, LAYERS, cb, base=300, pages=[2 * i for i in range(N)])
 # page 3 of layer 1 comes from a missing file
-chunks = [ChunkRead(5, c.offset, c.nbytes, c.page, c.layer, c.tag, c.checksum) if (c.tag, c.layer) == (3, 1) else c
-          for c in chunks]
+chunks.file_index[(chunks.tag == 3) & (chunks.layer == 1)] = 5
 eng = RestoreEngine(CioConfig(engine="kvikio", io_workers=2, staging_bytes=32768), path_fn(d), direct_io=True, chunk_bytes=cb,
                     max_pages_per_restore=N)
 out["engine"] = eng.engine_name
 rep = eng.restore(chunks, lay)
 out["failed"] = sorted(rep.failed_tags)
 out["merged_reads"] = rep.merged_reads
-out["equal"] = bool(torch.equal(kv_bytes(pool), reference("mha", "page_first", 2 * N, data, [c for c in chunks if c.file_index == 0])))
+out["equal"] = bool(torch.equal(kv_bytes(pool), reference("mha", "page_first", 2 * N, data, subset(chunks, chunks.file_index == 0))))
 # truncate behind the engine: layer 2 is cut after 5 pages and a bit
 os.truncate(os.path.join(d, "f0"), 300 + (2 * N + 5) * cb + 7)
 pool2, lay2 = make_pool("mha", "page_first", pages=2 * N)
-ok = [c for c in chunks if c.file_index == 0]
+ok = subset(chunks, chunks.file_index == 0)
 rep2 = eng.restore(ok, lay2)
 out["failed_truncated"] = sorted(rep2.failed_tags)
-exp2 = reference("mha", "page_first", 2 * N, data, [c for c in ok if c.layer < 2 or c.tag < 5])
+exp2 = reference("mha", "page_first", 2 * N, data, subset(ok, (ok.layer < 2) | (ok.tag < 5)))
 out["equal_truncated"] = bool(torch.equal(kv_bytes(pool2), exp2))
 eng.close()
 print("RESULT " + json.dumps(out))
@@ -75,7 +74,7 @@ def test_kvikio_engine_restores_through_the_fake_driver_shim(tmp_path):
 
 
 def test_shim_is_not_visible_to_the_test_process():
-    from flatcake.cio.engines import real_cuda_driver
+    from flatcake.cio.kvikio_engine import real_cuda_driver
 
     # the shim's cuInit answers CUDA_ERROR_NO_DEVICE, so even a leaked shim is never "real"
     assert "fake" in loader.SOURCE.read_text()

@@ -11,10 +11,11 @@ import numpy as np
 import pytest
 import torch
 
-from cio_util import LAYERS, extent_chunks, kv_bytes, make_pool, path_fn, reference, write_extent
-from flatcake.cio import ChunkRead, EngineUnavailableError, RestoreEngine, auto_staging_bytes
+from cio_util import (LAYERS, chunk_batch, concat, extent_chunks, kv_bytes, make_pool, path_fn, reference, rows,
+                      subset, write_extent)
+from flatcake.cio import ChunkBatch, EngineUnavailableError, RestoreEngine, auto_staging_bytes
 from flatcake.cio import engines as engines_mod
-from flatcake.cio import restore as restore_mod
+from flatcake.cio import kvikio_engine as kvikio_mod
 from flatcake.cio.restore import MIN_AUTO_STAGING_BYTES
 from flatcake.config import CioConfig
 from flatcake.kernels.scatter import triton_available
@@ -37,7 +38,7 @@ def test_restore_is_bit_exact_for_every_host_layout(ext4_dir, kind, layout):
     dst = [2 * i + 1 for i in range(N)]  # non-contiguous destination slots
     chunks = extent_chunks(data, 0, N, LAYERS, cb, base=100, pages=dst)
     with engine(ext4_dir, cb, staging_bytes=32768) as eng:
-        rep = eng.restore(chunks[::-1], lay)  # any order
+        rep = eng.restore(chunk_batch(rows(chunks)[::-1]), lay)  # any order
     assert rep.failed_tags == frozenset()
     assert torch.equal(kv_bytes(pool), reference(kind, layout, 2 * N, data, chunks))
     extent = N * LAYERS * cb
@@ -65,8 +66,7 @@ def test_missing_file_in_the_middle_fails_exactly_that_page(ext4_dir, caplog):
     data = write_extent(os.path.join(ext4_dir, "f0"), N, LAYERS, cb, seed=3)
     chunks = extent_chunks(data, 0, N, LAYERS, cb)
     # page 7's three layer chunks point into file 9, which does not exist
-    chunks = [ChunkRead(9, c.layer << 20, c.nbytes, c.page, c.layer, c.tag, c.checksum) if c.tag == 7 else c
-              for c in chunks]
+    chunks = chunk_batch([(9, r[4] << 20, *r[2:]) if r[5] == 7 else r for r in rows(chunks)])
     with caplog.at_level(logging.WARNING, logger="flatcake.cio"):
         with engine(ext4_dir, cb, staging_bytes=32768) as eng:
             rep = eng.restore(chunks, lay)
@@ -85,8 +85,8 @@ def test_eio_on_one_read_fails_only_the_chunks_it_covers(ext4_dir, monkeypatch):
     bad = write_extent(os.path.join(ext4_dir, "f1"), 2, 1, cb, seed=5)
     chunks = extent_chunks(data, 0, N, LAYERS, cb)
     # two extra chunks from file 1 into pages 0 and 1 of layer 0, under tags 100/101
-    chunks = [c for c in chunks if not (c.layer == 0 and c.page < 2)]
-    chunks += [ChunkRead(1, i * cb, cb, i, 0, 100 + i, None) for i in range(2)]
+    chunks = subset(chunks, ~((chunks.layer == 0) & (chunks.page < 2)))
+    chunks = concat(chunks, chunk_batch([(1, i * cb, cb, i, 0, 100 + i, None) for i in range(2)]))
     real = os.preadv
 
     def preadv(fd, bufs, off):
@@ -98,7 +98,7 @@ def test_eio_on_one_read_fails_only_the_chunks_it_covers(ext4_dir, monkeypatch):
     with engine(ext4_dir, cb) as eng:
         rep = eng.restore(chunks, lay)
     assert rep.failed_tags == frozenset({100, 101})
-    exp = reference("mla", "page_first", N, data, [c for c in chunks if c.file_index == 0])
+    exp = reference("mla", "page_first", N, data, subset(chunks, chunks.file_index == 0))
     assert torch.equal(kv_bytes(pool), exp)
 
 
@@ -109,12 +109,13 @@ def test_short_read_fails_covered_chunks_and_never_scatters_stale_staging_bytes(
     garbage = write_extent(os.path.join(ext4_dir, "f0"), N, LAYERS, cb, seed=6)
     data = write_extent(os.path.join(ext4_dir, "f1"), N, LAYERS, cb, seed=7)
     n = N * LAYERS
-    g_chunks = [ChunkRead(0, i * cb, cb, i % N, i // N, i, None) for i in range(n)]
-    chunks = [ChunkRead(1, i * cb, cb, i % N, i // N, i, None) for i in range(n)]  # tag = chunk number
+    g_chunks = chunk_batch([(0, i * cb, cb, i % N, i // N, i, None) for i in range(n)])
+    chunks = chunk_batch([(1, i * cb, cb, i % N, i // N, i, None) for i in range(n)])  # tag = chunk number
     with engine(ext4_dir, cb, direct_io, windows=1, verify_checksums=False, staging_bytes=32768) as eng:
         # 1) a previous restore leaves the garbage file's bytes in the (only) window
         assert eng.restore(g_chunks, lay0).failed_tags == frozenset()
-        stage = eng._pool._windows[0].buffers[0].array
+        with eng.window() as win:  # the only window: the one the restore just used
+            stage = win.buffers[0].array
         assert bytes(stage[: n * cb]) == garbage[: n * cb].tobytes()
         # 2) the data file is truncated behind the engine, in the middle of chunk 21 (layer 1)
         cut = 21 * cb + 100
@@ -128,9 +129,9 @@ def test_short_read_fails_covered_chunks_and_never_scatters_stale_staging_bytes(
     assert rep.failed_tags == frozenset(range(21, n))
     assert rep.merged_reads == 1
     got = pool.kv_buffer.view(torch.uint8)
-    exp = reference("mha", "page_first", N, data, chunks[:21])
+    exp = reference("mha", "page_first", N, data, subset(chunks, np.arange(len(chunks)) < 21))
     filled = exp.clone()
-    sentinel_mask = reference("mha", "page_first", N, np.full(len(data), 1, np.uint8), chunks[:21]) == 0
+    sentinel_mask = reference("mha", "page_first", N, np.full(len(data), 1, np.uint8), subset(chunks, np.arange(len(chunks)) < 21)) == 0
     filled[sentinel_mask] = 0x5A
     # ... and never reached a slot: delivered chunks hold the data, failed slots the sentinel
     assert torch.equal(got, filled)
@@ -141,14 +142,13 @@ def test_checksum_mismatch_fails_that_chunk_only(ext4_dir):
     cb = lay.geometry.chunk_bytes
     data = write_extent(os.path.join(ext4_dir, "f0"), N, LAYERS, cb, seed=8)
     chunks = extent_chunks(data, 0, N, LAYERS, cb)
-    k = next(i for i, c in enumerate(chunks) if c.page == 5 and c.layer == 2)
-    c = chunks[k]
-    chunks[k] = ChunkRead(c.file_index, c.offset, c.nbytes, c.page, c.layer, c.tag, c.checksum ^ 1)
+    k = int(np.flatnonzero((chunks.page == 5) & (chunks.layer == 2))[0])
+    chunks.checksum[k] ^= np.uint64(1)
     with engine(ext4_dir, cb) as eng:
         rep = eng.restore(chunks, lay)
         assert eng.errors.count == 1
     assert rep.failed_tags == frozenset({5})
-    assert torch.equal(kv_bytes(pool), reference("mha", "page_first_direct", N, data, chunks[:k] + chunks[k + 1:]))
+    assert torch.equal(kv_bytes(pool), reference("mha", "page_first_direct", N, data, subset(chunks, np.arange(len(chunks)) != k)))
     # with verification off the same bytes are delivered
     pool2, lay2 = make_pool("mha", "page_first_direct", pages=N)
     with engine(ext4_dir, cb, verify_checksums=False) as eng:
@@ -190,15 +190,14 @@ def test_restore_waits_for_a_busy_window_instead_of_failing(ext4_dir):
     data = write_extent(os.path.join(ext4_dir, "f0"), N, LAYERS, cb, seed=12)
     chunks = extent_chunks(data, 0, N, LAYERS, cb)
     with engine(ext4_dir, cb, windows=1) as eng:
-        held = eng._pool.acquire()  # another restore holds the only window
         out = {}
         t = threading.Thread(target=lambda: out.setdefault("rep", eng.restore(chunks, lay)))
-        t.start()
-        deadline = time.monotonic() + 30
-        while eng.window_waits == 0 and time.monotonic() < deadline:
-            time.sleep(0.005)
-        assert eng.window_waits == 1 and "rep" not in out  # waiting, not failed
-        eng._pool.release(held)
+        with eng.window():  # another restore holds the only window
+            t.start()
+            deadline = time.monotonic() + 30
+            while eng.window_waits == 0 and time.monotonic() < deadline:
+                time.sleep(0.005)
+            assert eng.window_waits == 1 and "rep" not in out  # waiting, not failed
         t.join()
     assert out["rep"].failed_tags == frozenset()
     assert torch.equal(kv_bytes(pool), reference("mla", "layer_first", N, data, chunks))
@@ -229,17 +228,19 @@ def test_o_direct_reads_are_4k_aligned_on_ext4(ext4_dir, monkeypatch):
         assert (addr % 4096, length % 4096, off % 4096) == (0, 0, 0)
 
 
-def test_filesystem_refusing_o_direct_at_probe_falls_back_with_one_log_line(ext4_dir, monkeypatch, caplog):
+def test_engine_reads_buffered_when_told_the_filesystem_refused_o_direct(ext4_dir, monkeypatch):
+    # the probe runs once, in the SSD pool (tests/media); the engine follows its verdict
     pool, lay = make_pool("mha", "page_first", pages=N)
     cb = lay.geometry.chunk_bytes
     data = write_extent(os.path.join(ext4_dir, "f0"), N, LAYERS, cb, seed=14)
     chunks = extent_chunks(data, 0, N, LAYERS, cb)
-    monkeypatch.setattr(restore_mod, "probe_direct_io", lambda d: False)
-    with caplog.at_level(logging.INFO, logger="flatcake.cio"):
-        with engine(ext4_dir, cb) as eng:
-            assert eng.direct_io is False
-            assert eng.restore(chunks, lay).failed_tags == frozenset()
-    assert sum("O_DIRECT" in r.getMessage() for r in caplog.records) == 1
+    flags = []
+    real_open = os.open
+    monkeypatch.setattr(engines_mod.os, "open", lambda path, fl, *a: flags.append(fl) or real_open(path, fl, *a))
+    with engine(ext4_dir, cb, direct_io=False) as eng:
+        assert eng.direct_io is False
+        assert eng.restore(chunks, lay).failed_tags == frozenset()
+    assert flags and not any(fl & os.O_DIRECT for fl in flags)
     assert torch.equal(kv_bytes(pool), reference("mha", "page_first", N, data, chunks))
 
 
@@ -248,8 +249,8 @@ def test_open_with_o_direct_raising_einval_falls_back_to_buffered_once(ext4_dir,
     cb = lay.geometry.chunk_bytes
     datas = [write_extent(os.path.join(ext4_dir, f"f{i}"), N, LAYERS, cb, seed=15 + i) for i in range(2)]
     chunks = extent_chunks(datas[0], 0, N, LAYERS, cb)
-    chunks = [c for c in chunks if c.page < 8] + [
-        c for c in extent_chunks(datas[1], 1, N, LAYERS, cb) if c.page >= 8]
+    other = extent_chunks(datas[1], 1, N, LAYERS, cb)
+    chunks = concat(subset(chunks, chunks.page < 8), subset(other, other.page >= 8))
     real_open = os.open
     refused = []
 
@@ -259,7 +260,6 @@ def test_open_with_o_direct_raising_einval_falls_back_to_buffered_once(ext4_dir,
             raise OSError(errno.EINVAL, "Invalid argument")
         return real_open(path, flags, *a)
 
-    monkeypatch.setattr(restore_mod, "probe_direct_io", lambda d: True)
     monkeypatch.setattr(engines_mod.os, "open", fake_open)
     with caplog.at_level(logging.INFO, logger="flatcake.cio"):
         with engine(ext4_dir, cb) as eng:
@@ -282,18 +282,19 @@ def test_auto_staging_size_alignment_and_empty_restore(ext4_dir):
         assert eng.staging_bytes == 32 << 20
         assert eng.staging_total_bytes == 3 * 2 * (32 << 20)
         assert eng.engine_name == "posix"  # no CUDA driver on this machine
-        for w in eng._pool._windows:
+        assert len(eng.staging.windows) == 3
+        for w in eng.staging.windows:
             assert [b.tensor.data_ptr() % 4096 for b in w.buffers] == [0, 0]
-        rep = eng.restore([], lay)
+        rep = eng.restore(chunk_batch([]), lay)
         assert (rep.merged_reads, rep.bytes_read, rep.pages, rep.failed_tags) == (0, 0, 0, frozenset())
         with pytest.raises(ValueError, match="outside layout"):
-            eng.restore([ChunkRead(0, 0, cb, N, 0, 0, None)], lay)
+            eng.restore(chunk_batch([(0, 0, cb, N, 0, 0, None)]), lay)
         with pytest.raises(ValueError, match="nbytes"):
-            eng.restore([ChunkRead(0, 0, cb + 1, 0, 0, 0, None)], lay)
+            eng.restore(chunk_batch([(0, 0, cb + 1, 0, 0, 0, None)]), lay)
     finally:
         eng.close()
     with pytest.raises(RuntimeError, match="closed"):
-        eng.restore([], lay)
+        eng.restore(chunk_batch([]), lay)
     with pytest.raises(ValueError, match="cannot hold one chunk"):
         RestoreEngine(CioConfig(staging_bytes=4096), path_fn(ext4_dir), direct_io=False, chunk_bytes=4096)
 
@@ -307,8 +308,7 @@ def test_chunks_straddling_two_io_pieces_need_both_pieces(ext4_dir, monkeypatch,
     cb = lay.geometry.chunk_bytes
     data = write_extent(os.path.join(ext4_dir, "f0"), N, LAYERS, cb, seed=21, base=1000)
     chunks = extent_chunks(data, 0, N, LAYERS, cb, base=1000)
-    chunks = [ChunkRead(c.file_index, c.offset, c.nbytes, c.page, c.layer, c.layer * N + c.page, c.checksum)
-              for c in chunks]  # tag = chunk number
+    chunks.tag[:] = chunks.layer * N + chunks.page  # tag = chunk number
     real = os.preadv
 
     def preadv(fd, bufs, off):  # piece 1 ([4096, 8192) of the file) fails with EIO
@@ -318,7 +318,7 @@ def test_chunks_straddling_two_io_pieces_need_both_pieces(ext4_dir, monkeypatch,
 
     monkeypatch.setattr(engines_mod.os, "preadv", preadv)
     with engine(ext4_dir, cb, io_workers=4, staging_bytes=16384) as eng:
-        assert eng._worker_scatter is True
+        assert eng.worker_scatter is True
         rep = eng.restore(chunks, lay)
     # chunk i covers file bytes [1000 + 192 i, 1192 + 192 i): those touching [4096, 8192) fail
     lost = set() if cut_piece is None else {i for i in range(N * LAYERS)
@@ -326,12 +326,12 @@ def test_chunks_straddling_two_io_pieces_need_both_pieces(ext4_dir, monkeypatch,
     assert rep.failed_tags == frozenset(lost)
     if cut_piece is not None:
         assert lost == set(range(16, 38))  # 22 chunks, two of them straddling a piece boundary
-    exp = reference("mla", "page_first", N, data, [c for c in chunks if c.tag not in lost])
+    exp = reference("mla", "page_first", N, data, chunks, skip_tags=lost)
     assert torch.equal(kv_bytes(pool), exp)
 
 
 def test_explicit_kvikio_without_a_cuda_driver_is_a_clear_startup_error(ext4_dir):
-    if engines_mod.real_cuda_driver():
+    if kvikio_mod.real_cuda_driver():
         pytest.skip("a real CUDA driver is present")
     with pytest.raises(EngineUnavailableError, match="libcuda"):
         RestoreEngine(CioConfig(engine="kvikio"), path_fn(ext4_dir), direct_io=True, chunk_bytes=512)
@@ -341,7 +341,7 @@ def test_explicit_kvikio_without_a_cuda_driver_is_a_clear_startup_error(ext4_dir
 def test_restore_with_triton_scatter_matches_torch(ext4_dir):
     cb = make_pool("mla", "page_first_direct", pages=4)[1].geometry.chunk_bytes
     data = write_extent(os.path.join(ext4_dir, "f0"), 4, 2, cb, seed=20, base=48)
-    chunks = [c for c in extent_chunks(data, 0, 4, 2, cb, base=48)]
+    chunks = extent_chunks(data, 0, 4, 2, cb, base=48)
     out = []
     for impl in ("torch", "triton"):
         pool, lay = make_pool("mla", "page_first_direct", pages=4)
@@ -353,26 +353,37 @@ def test_restore_with_triton_scatter_matches_torch(ext4_dir):
     assert torch.equal(out[0], reference("mla", "page_first_direct", 4, data, chunks))
 
 
-def test_restore_accepts_a_chunk_batch_with_the_same_result(ext4_dir):
-    from flatcake.cio import ChunkBatch
-
+def test_chunks_without_a_checksum_are_delivered_and_a_bad_sum_withholds_one_layer(ext4_dir):
     pool, lay = make_pool("mha", "page_first", pages=N)
     cb = lay.geometry.chunk_bytes
     data = write_extent(os.path.join(ext4_dir, "f0"), N, LAYERS, cb, seed=41, base=700)
     chunks = extent_chunks(data, 0, N, LAYERS, cb, base=700)
-    k = next(i for i, c in enumerate(chunks) if c.page == 3 and c.layer == 1)
-    c = chunks[k]
-    chunks[k] = ChunkRead(c.file_index, c.offset, c.nbytes, c.page, c.layer, c.tag, c.checksum ^ 1)  # bad sum
-    chunks[0] = ChunkRead(*[getattr(chunks[0], f) for f in ("file_index", "offset", "nbytes", "page", "layer",
-                                                             "tag")], None)  # no sum
-    batch = ChunkBatch.from_chunks(chunks)
+    k = int(np.flatnonzero((chunks.page == 3) & (chunks.layer == 1))[0])
+    chunks.checksum[k] ^= np.uint64(1)  # bad sum
+    chunks.has_checksum[0] = False  # no sum
     with engine(ext4_dir, cb, staging_bytes=8192, max_io_bytes=8192) as eng:
-        rep = eng.restore(batch, lay)
+        rep = eng.restore(chunks, lay)
     assert rep.failed_tags == frozenset({3})
     # only the (page 3, layer 1) chunk is withheld: the page's other layers were delivered
-    assert torch.equal(kv_bytes(pool), reference("mha", "page_first", N, data, chunks[:k] + chunks[k + 1:]))
+    assert torch.equal(kv_bytes(pool), reference("mha", "page_first", N, data, subset(chunks, np.arange(len(chunks)) != k)))
     with engine(ext4_dir, cb) as eng:
         with pytest.raises(ValueError, match="outside layout"):
             eng.restore(ChunkBatch([0], [0], [N], [0], [5], cb), lay)
         with pytest.raises(ValueError, match="nbytes"):
             eng.restore(ChunkBatch([0, 0], [0, cb], [0, 1], [0, 0], [5, 6], [cb, cb + 1]), lay)
+
+
+def test_reads_only_mode_reads_the_plan_into_staging_and_leaves_the_layout_alone(ext4_dir):
+    pool, lay = make_pool("mha", "page_first", pages=N)
+    cb = lay.geometry.chunk_bytes
+    data = write_extent(os.path.join(ext4_dir, "f0"), N, LAYERS, cb, seed=42)
+    chunks = extent_chunks(data, 0, N, LAYERS, cb)
+    chunks.checksum[:] ^= np.uint64(1)  # every sum wrong: reads-only never checks them
+    pool.kv_buffer.view(torch.uint8).fill_(0x5A)
+    with engine(ext4_dir, cb, windows=1, staging_bytes=N * LAYERS * cb, max_io_bytes=N * LAYERS * cb) as eng:
+        rep = eng.restore(chunks, lay, scatter=False)
+        with eng.window() as win:
+            staged = bytes(win.buffers[0].array[: N * LAYERS * cb])
+    assert (rep.failed_tags, rep.merged_reads, rep.bytes_read) == (frozenset(), 1, N * LAYERS * cb)
+    assert staged == data.tobytes()
+    assert bool((pool.kv_buffer.view(torch.uint8) == 0x5A).all())

@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -25,7 +26,7 @@ import scatter_cases  # noqa: E402
 def results():
     if sc.triton_available(torch.device("cpu")):
         return scatter_cases.run_all()
-    if not sc._HAVE_TRITON:
+    if not sc.HAVE_TRITON:
         pytest.skip("triton is not installed")
     env = dict(os.environ, TRITON_INTERPRET="1")
     proc = subprocess.run([sys.executable, str(HERE / "scatter_cases.py")], env=env, capture_output=True,
@@ -47,7 +48,7 @@ def test_torch_and_triton_scatter_are_bit_equal_to_the_reference(results, case):
 
 def test_auto_dispatch_picks_triton_on_cuda_and_torch_on_cpu():
     assert sc.resolve_impl("auto", torch.device("cpu")) == "torch"
-    assert sc.resolve_impl("auto", torch.device("cuda", 0)) == ("triton" if sc._HAVE_TRITON else "torch")
+    assert sc.resolve_impl("auto", torch.device("cuda", 0)) == ("triton" if sc.HAVE_TRITON else "torch")
     assert sc.resolve_impl("torch", torch.device("cuda", 0)) == "torch"
     with pytest.raises(ValueError, match="unknown scatter impl"):
         sc.resolve_impl("cuda", torch.device("cpu"))
@@ -61,7 +62,9 @@ def test_triton_on_cpu_without_interpreter_is_a_clear_error(monkeypatch):
 
 
 def test_word_width_is_the_widest_dividing_every_offset():
-    assert sc._pick_word([64, 128, 4096]) == (8, torch.int64)
-    assert sc._pick_word([64, 12, 4096]) == (4, torch.int32)
-    assert sc._pick_word([64, 6]) == (2, torch.int16)
-    assert sc._pick_word([64, 3]) == (1, torch.uint8)
+    assert sc.word_width([64, 128, 4096]) == (8, torch.int64)
+    assert sc.word_width([64, 12, 4096]) == (4, torch.int32)
+    assert sc.word_width([64, 6]) == (2, torch.int16)
+    assert sc.word_width([64, 3]) == (1, torch.uint8)
+    assert sc.word_width([64], (np.array([8, 16, 4096], dtype=np.int64),)) == (8, torch.int64)
+    assert sc.word_width([64], (np.array([8, 20], dtype=np.int64),)) == (4, torch.int32)

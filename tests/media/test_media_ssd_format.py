@@ -5,9 +5,9 @@ import os
 import numpy as np
 import pytest
 import xxhash
-from flatcake_testkit import fill_page, slots_of
-from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo
+from flatcake_testkit import make_store, put_pages
 
+from flatcake.align import align_up
 from flatcake.config import SsdConfig
 from flatcake.media import extent as fmt
 from flatcake.media.ssd import Extent, SsdFilePool, SsdStartupError, probe_direct_io
@@ -16,8 +16,8 @@ from flatcake.media.ssd import Extent, SsdFilePool, SsdStartupError, probe_direc
 def test_allocator_places_at_midpoint_grows_in_place_and_coalesces(tmp_path):
     pool = SsdFilePool(SsdConfig(path=str(tmp_path), file_bytes=4 << 20, max_files=1), "ns")
     a = pool.allocate_locked(100_000)
-    assert a.nbytes == fmt.align_up(100_000) and a.offset % fmt.EXTENT_GRID == 0
-    assert a.offset == fmt.align_up((4 << 20) // 2 - a.nbytes // 2, fmt.EXTENT_GRID)  # middle of the file
+    assert a.nbytes == align_up(100_000) and a.offset % fmt.EXTENT_GRID == 0
+    assert a.offset == align_up((4 << 20) // 2 - a.nbytes // 2, fmt.EXTENT_GRID)  # middle of the file
     b = pool.try_extend_locked(a, 8192)
     assert b == Extent(0, a.offset, a.nbytes + 8192)
     c = pool.allocate_locked(4096)
@@ -26,8 +26,7 @@ def test_allocator_places_at_midpoint_grows_in_place_and_coalesces(tmp_path):
     pool.free_locked(b)
     pool.free_locked(c)
     assert pool.used_bytes == 0
-    fr = pool._free[0]
-    assert (fr.starts, fr.lens) == ([0], [4 << 20])  # fully coalesced
+    assert pool.free_ranges(0) == [(0, 4 << 20)]  # fully coalesced
     assert pool.allocate_locked(8 << 20) is None  # larger than a file
     pool.close()
 
@@ -44,6 +43,7 @@ def test_refused_o_direct_falls_back_to_buffered_with_one_log_line(tmp_path, mon
     pool = SsdFilePool(SsdConfig(path=str(tmp_path)), "ns")
     assert pool.direct_io is False
     assert sum("refuses O_DIRECT" in r.message for r in caplog.records) == 1
+    pool.close()
     with pytest.raises(SsdStartupError, match="ssd.direct_io"):
         SsdFilePool(SsdConfig(path=str(tmp_path), direct_io="on"), "ns")
 
@@ -71,23 +71,20 @@ def test_header_and_record_round_trip():
     assert fmt.unpack_record(rec[:-1] + bytes([rec[-1] ^ 1])) is None  # torn
 
 
-def test_on_disk_extent_is_self_describing(make_backend):
+def test_on_disk_extent_is_self_describing(ssd_dir):
     """Walk a pool file with only the format module: extent header -> rounds -> records; every
     chunk's bytes match its recorded checksum and its layer-major position."""
-    be, pool = make_backend(extra={"cio.verify_checksums": True})
-    ps = pool.page_size
+    store, pool, lay = make_store(ssd_dir)
     r1, r2 = ["k0", "k1", "k2"], ["k3", "k4"]
-    for i, k in enumerate(r1 + r2):
-        fill_page(pool, i * ps, k)
-    be.batch_set_v1(r1, slots_of(pool, range(3)), HiCacheStorageExtraInfo(prefix_keys=[]))
-    be.batch_set_v1(r2, slots_of(pool, range(3, 5)), HiCacheStorageExtraInfo(prefix_keys=r1))
-    scope = be.store.index.get("k0").scope
-    assert be.store.index.get("k4").scope is scope and len(scope.extents) == 1
+    assert put_pages(store, pool, lay, r1, range(3), []) == [True] * 3
+    assert put_pages(store, pool, lay, r2, range(3, 5), r1) == [True] * 2
+    scope = store.index.get("k0").scope
+    assert store.index.get("k4").scope is scope and len(scope.extents) == 1
     ext = scope.extents[0]
-    data = open(be.store.ssd.path_of(ext.file_index), "rb").read()[ext.offset : ext.end]
+    data = open(store.ssd.path_of(ext.file_index), "rb").read()[ext.offset : ext.end]
     eh = fmt.unpack_extent_header(data[: fmt.BLOCK])
-    assert eh.namespace == be.namespace and eh.scope_id == scope.scope_id
-    g = be.store.geometry
+    assert eh.namespace == store.namespace and eh.scope_id == scope.scope_id
+    g = store.geometry
     off, found = fmt.BLOCK, []
     while off < len(data):
         parsed = fmt.unpack_round_header(data[off : off + fmt.BLOCK])
@@ -95,7 +92,7 @@ def test_on_disk_extent_is_self_describing(make_backend):
             break
         lay, seq, sid = parsed
         rec = fmt.unpack_record(data[off + lay.record_offset : off + lay.total_bytes])
-        assert rec is not None and sid == scope.scope_id and rec.ns_digest == fmt.namespace_digest(be.namespace)
+        assert rec is not None and sid == scope.scope_id and rec.ns_digest == fmt.namespace_digest(store.namespace)
         for p, k in enumerate(rec.keys):
             for layer in range(rec.layers):
                 o = off + lay.chunk_offset(p, layer)
@@ -104,5 +101,6 @@ def test_on_disk_extent_is_self_describing(make_backend):
         off += lay.total_bytes
     assert found == [(0, tuple(r1)), (1, tuple(r2))]
     # layer-major: layer 1 of round 0 starts right after layer 0 of all its 3 pages
-    e0, e1 = be.store.index.get("k0"), be.store.index.get("k1")
+    e0, e1 = store.index.get("k0"), store.index.get("k1")
     assert e1.gva - e0.gva == g.chunk_bytes and e0.layer_stride == 3 * g.chunk_bytes
+    store.close()

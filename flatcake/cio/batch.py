@@ -1,0 +1,160 @@
+"""One staging batch of an FC-CIO restore: its I/O pieces and which piece owns which chunk
+(paper §3.3; the restore pipeline is in :mod:`flatcake.cio.restore`).
+
+A batch is the merged reads that fit one staging buffer (:func:`~flatcake.cio.plan.batch_reads`).
+Each merged read is cut into up to ``io_workers`` aligned *pieces* read in parallel
+(:func:`~flatcake.cio.engines.split_pieces`), laid back to back in the buffer. A chunk that lies
+wholly inside one piece is *owned* by it: with host staging its verify + scatter can run as soon
+as that piece lands, overlapping the other reads. Chunks straddling two pieces (and, on the
+kvikio/GPU path, every chunk) are handled once the whole batch has landed. Ownership is array
+arithmetic over the batch's chunks, no per-chunk Python work.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import numpy as np
+import xxhash
+
+from flatcake.cio.engines import IoPiece, split_pieces
+from flatcake.cio.plan import ChunkBatch, MergedRead
+from flatcake.errorlog import ErrorLog
+
+
+@dataclass(eq=False)
+class StagingBatch:
+    """In-flight state of one staging batch.
+
+    Chunk arrays (numpy int64, one entry per chunk; ``*_idx`` are positions in ``chunks``,
+    ``*_b0`` byte offsets in the staging buffer): ``own_*`` the chunks owned by one piece,
+    grouped by piece (piece ``k``'s are ``[own_lo[k]:own_lo[k+1]]``); ``rest_*`` the others,
+    with ``rest_k0``/``rest_k1`` the pieces holding their first/last byte.
+
+    Attributes:
+        reads: the merged reads of the batch, in buffer order.
+        buf: the :class:`~flatcake.cio.staging.StagingBuffer` they land in.
+        layout: destination :class:`~flatcake.layout.KvPageLayout`.
+        chunks: the restore's :class:`ChunkBatch`.
+        pieces: the I/O pieces, in buffer order.
+        piece_start, piece_end: int64 ``[pieces]`` buffer offsets where each piece starts / ends.
+        used: bytes of the buffer the batch fills.
+        failed: tags of chunks that failed in worker-side callbacks (``list.extend`` is atomic).
+        futures: scatter-pool jobs of this batch.
+        pending: the engine's :class:`~flatcake.cio.engines.PendingIo`.
+    """
+
+    reads: list
+    buf: object
+    layout: object
+    chunks: Optional[ChunkBatch] = None
+    pieces: list = field(default_factory=list)
+    piece_start: Optional[np.ndarray] = None
+    piece_end: Optional[np.ndarray] = None
+    own_b0: Optional[np.ndarray] = None
+    own_idx: Optional[np.ndarray] = None
+    own_lo: Optional[np.ndarray] = None  # int64 [pieces + 1]
+    rest_b0: Optional[np.ndarray] = None
+    rest_idx: Optional[np.ndarray] = None
+    rest_k0: Optional[np.ndarray] = None
+    rest_k1: Optional[np.ndarray] = None
+    failed: list = field(default_factory=list)
+    futures: list = field(default_factory=list)
+    used: int = 0
+    pending: object = None
+
+    @classmethod
+    def build(cls, reads: Sequence[MergedRead], buf, layout, chunk_bytes: int, io_workers: int,
+              owned: bool) -> "StagingBatch":
+        """Cut ``reads`` into pieces laid back to back in ``buf`` and assign chunks to pieces.
+
+        Args:
+            reads: merged reads of one batch (non-empty, all from one :class:`ChunkBatch`).
+            buf: the staging buffer.
+            layout: the destination layout.
+            chunk_bytes: bytes per chunk.
+            io_workers: pieces per merged read at most.
+            owned: give chunks that lie wholly in one piece to that piece (worker-side scatter);
+                when False every chunk is a ``rest`` chunk.
+
+        Piece of a chunk's first byte: ``first + offset_in_read // step``; it is owned when its
+        last byte is in the same piece.
+        """
+        st = cls(reads=list(reads), buf=buf, layout=layout)
+        pieces: list[IoPiece] = []
+        pos = 0
+        b0s, idxs, k0s, k1s = [], [], [], []
+        for r in reads:
+            ps = split_pieces(r.file_index, r.offset, r.nbytes, pos, io_workers)
+            first = len(pieces)
+            pieces.extend(ps)
+            step = ps[0].nbytes
+            offs = r.offsets
+            b0s.append(offs + pos)
+            idxs.append(r.index)
+            k0s.append(offs // step + first)  # piece holding the chunk's first byte
+            k1s.append((offs + (chunk_bytes - 1)) // step + first)  # piece holding its last byte
+            pos += r.nbytes
+        st.chunks = reads[0].batch
+        st.pieces = pieces
+        st.used = pos
+        st.piece_start = np.fromiter((p.buf_offset for p in pieces), dtype=np.int64, count=len(pieces))
+        st.piece_end = st.piece_start + np.fromiter((p.nbytes for p in pieces), dtype=np.int64, count=len(pieces))
+        b0, idx, k0, k1 = (np.concatenate(x) for x in (b0s, idxs, k0s, k1s))
+        if owned:
+            own = k0 == k1  # the whole chunk lies in one piece
+            if own.all():
+                st.own_b0, st.own_idx, own_k = b0, idx, k0
+            else:
+                st.own_b0, st.own_idx, own_k = b0[own], idx[own], k0[own]
+                rest = ~own
+                st.rest_b0, st.rest_idx, st.rest_k0, st.rest_k1 = b0[rest], idx[rest], k0[rest], k1[rest]
+            # own_k is non-decreasing (reads back to back, chunks sorted in each read):
+            # the chunks of piece k are own_*[own_lo[k]:own_lo[k + 1]]
+            st.own_lo = np.searchsorted(own_k, np.arange(len(pieces) + 1), side="left")
+        else:
+            st.rest_b0, st.rest_idx, st.rest_k0, st.rest_k1 = b0, idx, k0, k1
+        return st
+
+    @property
+    def has_owned(self) -> bool:
+        """True when some chunk is owned by a piece (worker-side verify + scatter)."""
+        return self.own_idx is not None and self.own_idx.shape[0] > 0
+
+
+def verify_chunks(host, b0: np.ndarray, idx: np.ndarray, chunks: ChunkBatch, chunk_bytes: int,
+                  errors: ErrorLog) -> np.ndarray:
+    """Checksum check of fully read chunks in a host staging buffer.
+
+    Args:
+        host: uint8 numpy view of the staging buffer.
+        b0: int64 ``[m]`` byte offsets of the chunks in the buffer.
+        idx: int64 ``[m]`` positions of the chunks in ``chunks``.
+        chunks: the restore's batch (``checksum``, ``has_checksum``).
+        chunk_bytes: bytes per chunk.
+        errors: where each mismatch is reported (``verify`` / ``checksum``, logged once).
+
+    Returns:
+        bool ``[m]``: True where the chunk may be scattered (no checksum given, or its xxh3-64
+        matches).
+    """
+    m = b0.shape[0]
+    has = chunks.has_checksum[idx]
+    ok = np.ones(m, dtype=bool)
+    sel = np.flatnonzero(has) if not has.all() else None
+    if sel is not None and sel.shape[0] == 0:
+        return ok
+    h = xxhash.xxh3_64_intdigest
+    mv = memoryview(host)
+    starts = (b0 if sel is None else b0[sel]).tolist()
+    got = np.fromiter((h(mv[s: s + chunk_bytes]) for s in starts), dtype=np.uint64, count=len(starts))
+    want = chunks.checksum[idx if sel is None else idx[sel]]
+    bad = np.flatnonzero(got != want)
+    if bad.shape[0]:
+        pos = bad if sel is None else sel[bad]
+        ok[pos] = False
+        for i in idx[pos].tolist():
+            errors.report("verify", "checksum", f"chunk tag {int(chunks.tag[i])} (file "
+                          f"{int(chunks.file_index[i])} @ {int(chunks.offset[i])})")
+    return ok

@@ -1,0 +1,108 @@
+"""Follower mirroring: how a non-writer MLA TP rank sees the writer's pages (paper §3.1 index).
+
+The writer rank appends a ``ROUND`` entry to the scope journal after each SSD round is written
+and a ``RETIRE`` entry before it frees a scope (:mod:`flatcake.gva.journal`). A follower rank
+calls :meth:`FollowerMirror.sync` before each hit query and read: it reads the new entries,
+reads each new round's header and record from the shared pool file (the self-describing
+format of :mod:`flatcake.media.extent`) and publishes the round's keys in its own index under a
+mirror scope; a retired scope is forced out of the index. A follower never writes.
+
+Lifecycle of a mirrored scope::
+
+    ROUND (first of a scope id)  -> open mirror scope, publish keys
+    ROUND (later)                -> publish keys, move the tail
+    RETIRE / writer restarted    -> force-retire (no new pins) and unpublish
+
+A round the writer reclaimed and reused before the follower saw its ``RETIRE`` may be read by
+the follower: followers always verify checksums, so such a read is a miss, never other bytes.
+"""
+
+from __future__ import annotations
+
+from flatcake.errorlog import ErrorLog
+from flatcake.gva.address import MEDIUM_SSD, encode_gva
+from flatcake.gva.index import GvaIndex, PageEntry, SessionScope
+from flatcake.gva.journal import RETIRE, ROUND, JournalEntry, JournalReader
+from flatcake.gva.placement import ReuseScope
+from flatcake.layout import PageGeometry
+from flatcake.media import extent as fmt
+from flatcake.media.ssd import SsdFilePool
+
+
+class FollowerMirror:
+    """Mirrors the writer rank's published SSD rounds into a follower's index.
+
+    Args:
+        index: the follower's index (written under ``index.lock``).
+        journal: the reader side of the writer's scope journal.
+        ssd: the (shared) SSD pool, opened in follower mode.
+        geometry: page geometry; rounds of another geometry are ignored.
+        namespace: the namespace; records of another namespace are ignored.
+        node: GVA node field of the published addresses.
+        errors: the store's error-once log.
+    """
+
+    def __init__(self, index: GvaIndex, journal: JournalReader, ssd: SsdFilePool, geometry: PageGeometry,
+                 namespace: str, node: int, errors: ErrorLog):
+        self.index = index
+        self.journal = journal
+        self.ssd = ssd
+        self.geometry = geometry
+        self.ns_digest = fmt.namespace_digest(namespace)
+        self.node = node
+        self.errors = errors
+        self._scopes: dict[int, SessionScope] = {}  # writer scope id -> mirror scope
+
+    def sync(self) -> None:
+        """Apply the journal entries appended since the last call (one ``stat`` when nothing
+        is new). Takes the writer lock. Never raises: a failure leaves fewer pages visible."""
+        try:
+            with self.index.lock:
+                restarted, entries = self.journal.poll()
+                if restarted:
+                    for scope in list(self._scopes.values()):
+                        self._forget_locked(scope)
+                    self._scopes.clear()
+                for e in entries:
+                    if e.kind == ROUND:
+                        self._mirror_round_locked(e)
+                    elif e.kind == RETIRE and e.scope_id in self._scopes:
+                        self._forget_locked(self._scopes.pop(e.scope_id))
+        except Exception as err:  # never into SGLang: the follower just sees fewer pages
+            self.errors("journal sync", err)
+
+    def _forget_locked(self, scope: SessionScope) -> None:
+        scope.force_retire()
+        self.index.unpublish_scope_locked(scope)
+
+    def _mirror_round_locked(self, e: JournalEntry) -> None:
+        """Read round ``e``'s header and record and publish its keys. Writer lock held."""
+        g = self.geometry
+        try:
+            parsed = fmt.unpack_round_header(self.ssd.read_at(e.file_index, e.round_offset, fmt.BLOCK))
+            if parsed is None:
+                return
+            lay, _, _ = parsed
+            if (lay.layers, lay.chunk_bytes) != (g.layers, g.chunk_bytes):
+                return
+            rec = fmt.unpack_record(self.ssd.read_at(e.file_index, e.round_offset + lay.record_offset, lay.record_bytes))
+        except OSError as err:
+            self.errors("journal round read", err)
+            return
+        if rec is None or rec.ns_digest != self.ns_digest or len(rec.keys) != lay.n_pages:
+            return
+        scope = self._scopes.get(e.scope_id)
+        if scope is None:
+            scope = self._scopes[e.scope_id] = self.index.open_scope_locked(MEDIUM_SSD, ReuseScope.ONE_SHOT)
+        n, cb = lay.n_pages, g.chunk_bytes
+        base = e.file_index * self.ssd.file_bytes + e.round_offset + fmt.BLOCK
+        self.index.publish_locked(
+            rec.keys,
+            [PageEntry(encode_gva(MEDIUM_SSD, self.node, base + p * cb), scope, n * cb, rec.checksums[:, p].copy())
+             for p in range(n)],
+        )
+        self.index.set_tail_locked(scope, rec.keys[-1])
+
+    def close(self) -> None:
+        """Close the journal."""
+        self.journal.close()

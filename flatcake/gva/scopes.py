@@ -1,0 +1,406 @@
+"""The scope table: FC-GVA's metadata manager — placement, space, publish and reclaim (paper §3.1).
+
+It decides and never moves bytes (the write and read paths, :mod:`flatcake.write_path` and
+:mod:`flatcake.read_path`, do). One :class:`Placement` passes from it to the write path and
+back, as vLLM's offloading manager hands a spec to its worker-side handler.
+
+Lifecycle of a round of pages (writer lock = :attr:`ScopeTable.lock`)::
+
+    place_locked   find the session scope from the key chain, decide the medium (Table 2),
+                   reserve DRAM slots or bytes at the scope's SSD tail (reclaiming whole
+                   scopes when the pool is full); the scope is pinned     -> Placement
+      (write path: gather and write the bytes, no lock)
+    commit_locked  publish key -> PageEntry, advance the scope's tail     (readers see it now)
+    abort_locked   or, when the write failed: give the reservation back, exactly once
+    release        unpin the scope
+    reclaim        above a high watermark, free the least recently used unpinned scopes whole
+
+Session scope and turn from the key chain (SGLang passes ``extra_info.prefix_keys`` when
+``hicache_storage_pass_prefix_keys`` is true; every key already hashes its whole prefix):
+
+* the *parent* of a round is the key just before its first page (the previous key in the
+  call, else ``prefix_keys[-1]``);
+* a round whose parent is a scope's tail joins that scope (same medium; later turns of a
+  session stay together); any other round opens a new scope, inheriting the parent scope's
+  turn if the parent is stored;
+* a hit query whose stored run ends on a scope's tail and continues with new keys is a new
+  request of that session: the scope's turn is incremented (:meth:`ScopeTable.note_hit_query`);
+* "reply tokens" is measured as tokens appended to the scope in the current turn (SGLang's
+  backend cannot tell prompt from reply pages);
+* prefix reference count = hit queries that asked for a page before it was written, the
+  writer included (:class:`~flatcake.gva.index.InterestCounter`).
+
+A DRAM scope whose next round is placed on SSD (context grew past ``L_agent``, or DRAM full)
+continues in a new SSD scope; pages already written never move.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+from flatcake.config import FlatCakeConfig
+from flatcake.errorlog import ErrorLog
+from flatcake.gva.address import MEDIUM_DRAM, MEDIUM_SSD
+from flatcake.gva.index import GvaIndex, InterestCounter, PageEntry, SessionScope
+from flatcake.gva.journal import RETIRE, ROUND, JournalEntry, JournalWriter
+from flatcake.gva.placement import PlacementDecision, PlacementPolicy, PlacementSignals, ReuseScope
+from flatcake.layout import PageGeometry
+from flatcake.media import extent as fmt
+from flatcake.media.dram import DramRegion
+from flatcake.media.ssd import Extent, SsdFilePool
+from flatcake.stats import StoreStats
+
+log = logging.getLogger("flatcake.scopes")
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Where one round of pages goes: the scope table's answer to the write path.
+
+    Attributes:
+        scope: the session scope the round joins (pinned until :meth:`ScopeTable.release`).
+        keys: the round's page keys, in order.
+        src_pages: page ids of the round's pages in the source layout (host pool).
+        slots: DRAM slot numbers, one per page (DRAM rounds), else ``None``.
+        extent_file: SSD pool file of the round (SSD rounds), else -1.
+        round_offset: SSD: byte offset of the round header in ``extent_file``.
+        layout: SSD: the round's byte layout (header | layer-major data | record).
+        seq: SSD: the round's sequence number inside its scope.
+        new_extent: SSD: the extent this round opens, whose 4 KiB extent header the write path
+            writes first (at ``new_extent.offset``); ``None`` when the round appends to an
+            extent that already has one.
+        extent_seq: SSD: index of ``new_extent`` among the scope's extents.
+        prev_tail: SSD: the scope's tail offset before this reservation (for :meth:`ScopeTable.abort_locked`).
+    """
+
+    scope: SessionScope
+    keys: list
+    src_pages: list
+    slots: Optional[list] = None
+    extent_file: int = -1
+    round_offset: int = 0
+    layout: Optional[fmt.RoundLayout] = None
+    seq: int = 0
+    new_extent: Optional[Extent] = None
+    extent_seq: int = 0
+    prev_tail: int = 0
+
+    @property
+    def medium(self) -> int:
+        """``MEDIUM_DRAM`` or ``MEDIUM_SSD``."""
+        return MEDIUM_DRAM if self.slots is not None else MEDIUM_SSD
+
+
+class ScopeTable:
+    """Session scopes, placement, space reservation, publication and whole-scope reclaim.
+
+    Args:
+        cfg: validated configuration (``placement``, watermarks).
+        geometry: page geometry of the namespace.
+        dram: the DRAM region (its slot allocator is used under :attr:`lock`).
+        ssd: the SSD file pool (its extent allocator is used under :attr:`lock`).
+        stats: the store's stats object (reclaim counters).
+        errors: the store's error-once log.
+        journal: the scope journal of an MLA writer rank (:mod:`flatcake.gva.journal`), else None.
+
+    Attributes:
+        index: the lock-free key -> :class:`PageEntry` map and the live scope table.
+        lock: the writer lock (re-entrant). Methods suffixed ``_locked`` expect the caller to
+            hold it; readers (:meth:`pin_leading_run`) never take it.
+    """
+
+    def __init__(self, cfg: FlatCakeConfig, geometry: PageGeometry, dram: DramRegion, ssd: SsdFilePool,
+                 stats: StoreStats, errors: ErrorLog, journal: Optional[JournalWriter] = None):
+        self.cfg = cfg
+        self.geometry = geometry
+        self.dram = dram
+        self.ssd = ssd
+        self.stats = stats
+        self.errors = errors
+        self.journal = journal
+        self.policy = PlacementPolicy(cfg.placement)
+        self.index = GvaIndex()
+        self.interest = InterestCounter()
+        self.lock = self.index.lock
+
+    # ================================================================ hit queries and readers
+    def note_hit_query(self, keys: Sequence[str], n: int, prefix_keys: Optional[Sequence[str]]) -> None:
+        """Placement signals from a hit query whose leading stored run is ``n`` of ``keys``:
+        a run that ends on a scope's tail and goes on with new keys starts that session's next
+        turn; the missing keys' prefix reference counts go up. Lock-free (best effort)."""
+        if n >= len(keys):
+            return
+        last = keys[n - 1] if n else (prefix_keys[-1] if prefix_keys else None)
+        scope = self.index.tails.get(last) if last is not None else None
+        if scope is not None and not scope.retired:
+            scope.new_turn()
+        self.interest.note_missing(list(keys[n:]))
+
+    def pin_leading_run(self, keys: Sequence[str]) -> list[PageEntry]:
+        """Entries of the leading run of published ``keys`` whose scopes could be pinned (no
+        lock: a dict probe and a per-scope pin each). The caller reads their bytes, then calls
+        :meth:`unpin`. A scope retired between the lookup and the pin ends the run (a miss)."""
+        entries: list[PageEntry] = []
+        get = self.index.get
+        for k in keys:
+            e = get(k)
+            if e is None or not e.scope.try_acquire():
+                break
+            entries.append(e)
+        return entries
+
+    @staticmethod
+    def unpin(entries: Sequence[PageEntry]) -> None:
+        """Drop the pins :meth:`pin_leading_run` took."""
+        for e in entries:
+            e.scope.release()
+
+    # ================================================================ placement (writer lock)
+    def _decide_locked(self, n_pages: int, turn: int, prev: Optional[int], cur: int, keys,
+                       context_tokens: int) -> PlacementDecision:
+        """Table 2 decision for a round of ``n_pages``. DRAM counts as full when the round does
+        not fit in the free slots (the watermark reclaim after each write keeps headroom)."""
+        return self.policy.decide(
+            PlacementSignals(
+                prefix_refcount=self.interest.take(list(keys)),
+                turn=turn,
+                prev_reply_tokens=prev,
+                context_tokens=context_tokens,
+                reply_tokens=cur + n_pages * self.geometry.page_size,
+                dram_full=self.dram.free_slots < n_pages,
+            )
+        )
+
+    def _scope_for_round_locked(self, keys, parent: Optional[str], context_tokens: int) -> SessionScope:
+        """The scope a round with ``parent`` joins or opens (Table 2 for a new scope, or for a
+        DRAM session that may have to continue on SSD). Writer lock held."""
+        n = len(keys)
+        scope = self.index.tails.get(parent) if parent is not None else None
+        if scope is not None and scope.retired:
+            scope = None
+        if scope is None:
+            pe = self.index.get(parent) if parent is not None else None
+            turn = pe.scope.turn if pe is not None else 1
+            prev = pe.scope.prev_turn_tokens if pe is not None else None
+            dec = self._decide_locked(n, turn, prev, 0, keys, context_tokens)
+            return self.index.open_scope_locked(dec.medium, dec.scope, turn, prev)
+        if scope.medium == MEDIUM_DRAM:
+            dec = self._decide_locked(n, scope.turn, scope.prev_turn_tokens, scope.cur_turn_tokens, keys, context_tokens)
+            if dec.medium != MEDIUM_DRAM:  # the session continues on SSD; written pages stay
+                old = scope
+                scope = self.index.open_scope_locked(MEDIUM_SSD, dec.scope, old.turn, old.prev_turn_tokens)
+                scope.cur_turn_tokens = old.cur_turn_tokens
+            return scope
+        self.interest.take(list(keys))
+        return scope
+
+    def place_locked(self, keys: Sequence[str], src_pages: Sequence[int], parent: Optional[str],
+                     context_tokens: int) -> Optional[Placement]:
+        """Choose the scope and medium of a round and reserve its space. Writer lock held.
+
+        Args:
+            keys: the round's new page keys (none of them published).
+            src_pages: their page ids in the source layout.
+            parent: the key just before the round's first page, or ``None`` at the root.
+            context_tokens: tokens of context up to the end of the round.
+
+        Returns:
+            A :class:`Placement` whose scope is pinned, or ``None`` (logged) when the round
+            cannot be given SSD space even after reclaiming unpinned scopes.
+        """
+        g = self.geometry
+        n = len(keys)
+        scope = self._scope_for_round_locked(keys, parent, context_tokens)
+        scope.try_acquire()
+        scope.last_used_s = time.monotonic()
+        if scope.medium == MEDIUM_DRAM:
+            slots = self.dram.allocate_locked(n)
+            if slots is not None:
+                scope.slots.extend(slots)
+                scope.nbytes += n * g.page_bytes
+                return Placement(scope, list(keys), list(src_pages), slots=slots)
+            # raced with the signal; fall back to SSD for this round
+            scope.release()
+            old = scope
+            scope = self.index.open_scope_locked(MEDIUM_SSD, ReuseScope.OVERFLOW, old.turn, old.prev_turn_tokens)
+            self._forget_if_empty_locked(old)
+            scope.try_acquire()
+        lay = fmt.round_layout(keys, g.layers, g.chunk_bytes)
+        where = None
+        prev_tail = scope.tail_offset
+        if lay.total_bytes + fmt.BLOCK <= self.ssd.file_bytes:  # else no extent could ever hold it
+            try:
+                where = self._ssd_space_locked(scope, lay.total_bytes)
+            except BaseException:
+                scope.release()
+                raise
+        if where is None:
+            scope.release()
+            self._forget_if_empty_locked(scope)
+            log.warning("flatcake: SSD pool full (%d bytes used); put of %d pages fails", self.ssd.used_bytes, n)
+            return None
+        f, off, new_ext = where
+        seq = scope.round_seq
+        scope.round_seq += 1
+        return Placement(scope, list(keys), list(src_pages), extent_file=f, round_offset=off, layout=lay, seq=seq,
+                         new_extent=new_ext, extent_seq=len(scope.extents) - 1, prev_tail=prev_tail)
+
+    def _ssd_space_locked(self, scope: SessionScope, nbytes: int) -> Optional[tuple[int, int, Optional[Extent]]]:
+        """Reserve ``nbytes`` at the scope's tail: in its last extent, by growing it in place,
+        or in a new extent (whose header block comes first). Reclaims when the pool is full.
+
+        Returns:
+            ``(file_index, offset, new_extent)`` (``new_extent`` is None unless one was opened),
+            or ``None`` when nothing fits even after freeing every unpinned scope.
+        """
+        if scope.extents:
+            ext: Extent = scope.extents[-1]
+            room = ext.end - scope.tail_offset
+            if room >= nbytes:
+                off = scope.tail_offset
+                scope.tail_offset += nbytes
+                return ext.file_index, off, None
+            grown = self.ssd.try_extend_locked(ext, nbytes - room)
+            if grown is not None:
+                scope.extents[-1] = grown
+                scope.nbytes += grown.nbytes - ext.nbytes
+                off = scope.tail_offset
+                scope.tail_offset += nbytes
+                return ext.file_index, off, None
+        need = nbytes + fmt.BLOCK
+        ext = self.ssd.allocate_locked(need)
+        while ext is None:  # no free range fits (full or fragmented): free oldest scopes one by one
+            if not self.reclaim_one_locked(MEDIUM_SSD, exclude=scope):
+                return None
+            ext = self.ssd.allocate_locked(need)
+        scope.extents.append(ext)
+        scope.nbytes += ext.nbytes
+        scope.tail_offset = ext.offset + fmt.BLOCK + nbytes
+        return ext.file_index, ext.offset + fmt.BLOCK, ext
+
+    def commit_locked(self, plc: Placement, entries: Sequence[PageEntry], parent: Optional[str]) -> None:
+        """Publish a written round: key -> entry (readers see it from now on), the scope's tail
+        and reply tokens, and (MLA writer rank) the journal's ``ROUND`` entry. Writer lock held."""
+        scope = plc.scope
+        self.index.publish_locked(plc.keys, entries)
+        if scope.tail_key is None or scope.tail_key == parent:  # appended at the tail
+            self.index.set_tail_locked(scope, plc.keys[-1])
+        scope.cur_turn_tokens += len(plc.keys) * self.geometry.page_size
+        if self.journal is not None and plc.medium == MEDIUM_SSD:
+            self._journal(JournalEntry(ROUND, scope.scope_id, plc.extent_file, plc.round_offset))
+
+    def abort_locked(self, plc: Placement) -> None:
+        """Give back a round's reservation after its write failed. Writer lock held.
+
+        DRAM slots go back to the free list *and* leave the scope's slot list, so a slot has
+        exactly one owner (a later reclaim of the scope cannot free it a second time). SSD
+        bytes at the scope's tail are taken back while nothing was appended after them; an
+        extent this round opened is freed whole when it holds nothing else.
+        """
+        scope = plc.scope
+        g = self.geometry
+        if plc.slots is not None:
+            mine = set(plc.slots)
+            scope.slots = [s for s in scope.slots if s not in mine]
+            scope.nbytes -= len(plc.slots) * g.page_bytes
+            self.dram.free_locked(plc.slots)
+            return
+        lay = plc.layout
+        if scope.tail_offset != plc.round_offset + lay.total_bytes:
+            return  # another round was placed after it: the hole stays until the scope goes
+        ext = plc.new_extent
+        if ext is not None and scope.extents and scope.extents[-1].offset == ext.offset \
+                and scope.extents[-1].file_index == ext.file_index:
+            last = scope.extents.pop()
+            self.ssd.free_locked(last)
+            scope.nbytes -= last.nbytes
+        scope.tail_offset = plc.prev_tail
+
+    def release(self, plc: Placement) -> None:
+        """Unpin the placement's scope; drop it from the table if the failed round left it empty."""
+        plc.scope.release()
+        if not plc.scope.keys:
+            with self.lock:
+                self._forget_if_empty_locked(plc.scope)
+
+    def _forget_if_empty_locked(self, scope: SessionScope) -> None:
+        if not scope.keys and not scope.extents and not scope.slots and scope.try_retire():
+            self.index.unpublish_scope_locked(scope)
+
+    # ================================================================ reclaim
+    def reclaim_if_needed(self) -> None:
+        """Reclaim each medium above its high watermark down to its low watermark."""
+        if self.ssd.used_fraction() > self.cfg.ssd.high_watermark or (
+            self.dram.n_slots and self.dram.used_fraction() > self.cfg.dram.high_watermark
+        ):
+            with self.lock:
+                if self.ssd.used_fraction() > self.cfg.ssd.high_watermark:
+                    self.reclaim_locked(MEDIUM_SSD)
+                if self.dram.n_slots and self.dram.used_fraction() > self.cfg.dram.high_watermark:
+                    self.reclaim_locked(MEDIUM_DRAM)
+
+    def reclaim_locked(self, medium: int) -> None:
+        """Free the oldest unpinned scopes of ``medium`` whole until usage is at or below the
+        low watermark. Writer lock held."""
+        if medium == MEDIUM_SSD:
+            target = self.cfg.ssd.low_watermark * self.ssd.capacity_bytes
+            above = lambda: self.ssd.used_bytes > target  # noqa: E731
+        else:
+            target = self.cfg.dram.low_watermark * self.dram.n_slots
+            above = lambda: self.dram.n_slots - self.dram.free_slots > target  # noqa: E731
+        while above() and self.reclaim_one_locked(medium):
+            pass
+
+    def reclaim_one_locked(self, medium: int, exclude: Optional[SessionScope] = None) -> bool:
+        """Retire, unpublish and free the least recently used scope of ``medium`` that nobody
+        pins (a reader or writer inside it is never freed under it). False if none can go.
+        Writer lock held."""
+        for scope in self.index.oldest_scopes_locked(medium):
+            if scope is not exclude and self.free_scope_locked(scope):
+                return True
+        return False
+
+    def free_scope_locked(self, scope: SessionScope) -> bool:
+        """Retire ``scope`` if unpinned, then unpublish its keys and free its space (whole).
+        Writer lock held. Returns False (and changes nothing) when a reader or writer pins it."""
+        if not scope.try_retire():
+            return False
+        self.index.unpublish_scope_locked(scope)
+        if scope.medium == MEDIUM_SSD:
+            if self.journal is not None:
+                self._journal(JournalEntry(RETIRE, scope.scope_id))
+            for ext in scope.extents:
+                self.ssd.free_locked(ext)
+            self.stats.add(reclaimed_scopes_ssd=1, reclaimed_bytes=scope.nbytes)
+        else:
+            self.dram.free_locked(scope.slots)
+            self.stats.add(reclaimed_scopes_dram=1, reclaimed_bytes=scope.nbytes)
+        return True
+
+    def clear(self) -> None:
+        """Free every scope no reader pins (SGLang's ``/hicache/storage-backend/clear``); a
+        pinned scope stays until a later clear or reclaim."""
+        with self.lock:
+            for scope in list(self.index.scopes.values()):
+                self.free_scope_locked(scope)
+
+    def drop_file_scopes_locked(self, file_index: int) -> None:
+        """Pool file ``file_index`` lost its bytes (removed or truncated behind the backend):
+        free every scope with an extent in it; a scope a reader pins is hidden now (its keys
+        unpublished) and loses that file's extents, the rest is freed when it is reclaimed.
+        Writer lock held."""
+        for scope in [s for s in self.index.scopes.values() if any(x.file_index == file_index for x in s.extents)]:
+            if not self.free_scope_locked(scope):
+                self.index.hide_scope_locked(scope)
+                gone = [x for x in scope.extents if x.file_index == file_index]
+                scope.extents = [x for x in scope.extents if x.file_index != file_index]
+                scope.nbytes -= sum(x.nbytes for x in gone)
+
+    def _journal(self, e: JournalEntry) -> None:
+        try:
+            self.journal.append(e)
+        except OSError as err:
+            self.errors("journal append", err)

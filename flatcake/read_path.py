@@ -1,0 +1,143 @@
+"""The read path: moves pinned pages from their medium into KV page slots (paper §3.1, §3.3).
+
+The caller (the store) has looked up the leading run of keys and pinned their scopes, so no
+byte read here can be freed or reused underneath; this path only moves bytes.
+
+Lifecycle of one read (no lock held)::
+
+    split the entries by medium (the GVA's medium field)
+    SSD pages:  one ChunkBatch of (page, layer) chunks, layer-major -> FC-CIO restore
+                (sort, merge, O_DIRECT reads into the staging window, verify, scatter)
+    DRAM pages: copy each page's layers from its slot into the layout (only pages before the
+                first SSD failure)
+    -> the leading number of pages delivered intact
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from flatcake.cio.plan import ChunkBatch
+from flatcake.gva.address import MEDIUM_DRAM, MEDIUM_SSD, OFFSET_MASK, medium_of
+from flatcake.gva.index import PageEntry
+from flatcake.layout import KvPageLayout, PageGeometry
+from flatcake.media.dram import DramRegion
+from flatcake.stats import StoreStats
+
+
+class ReadPath:
+    """Reads pinned pages into a layout: DRAM by copy, SSD through FC-CIO.
+
+    Args:
+        geometry: page geometry of the namespace.
+        dram: the DRAM region.
+        cio: the FC-CIO :class:`~flatcake.cio.restore.RestoreEngine`.
+        file_bytes: bytes per SSD pool file (an SSD GVA offset is ``file * file_bytes + offset``).
+        verify: pass each chunk's checksum to the restore (``cio.verify_checksums``).
+        stats: the store's stats object.
+    """
+
+    def __init__(self, geometry: PageGeometry, dram: DramRegion, cio, file_bytes: int, verify: bool,
+                 stats: StoreStats):
+        self.geometry = geometry
+        self.dram = dram
+        self.cio = cio
+        self.file_bytes = file_bytes
+        self.verify = verify
+        self.stats = stats
+
+    def read(self, entries: Sequence[PageEntry], layout: KvPageLayout, page_ids: Sequence[int]) -> int:
+        """Deliver page ``entries[i]`` into page ``page_ids[i]`` of ``layout``.
+
+        Args:
+            entries: index entries whose scopes the caller pinned.
+            layout: destination (host pool or flat pages).
+            page_ids: int page ids in ``layout`` (a list or an int64 tensor), at least as many as entries.
+
+        Returns:
+            ``n``: pages ``0..n-1`` were delivered intact; page ``n`` (if any) failed (short
+            read, I/O error, checksum mismatch) and no later page is reported.
+
+        Raises:
+            ValueError: descriptors outside the layout (a caller bug); I/O faults never raise.
+        """
+        g = self.geometry
+        n = len(entries)
+        media = [medium_of(e.gva) for e in entries]
+        dram_pos = [i for i, m in enumerate(media) if m == MEDIUM_DRAM]
+        ssd_pos = [i for i, m in enumerate(media) if m != MEDIUM_DRAM]
+        good = n
+        if ssd_pos:
+            good = min(good, self._read_ssd(entries, ssd_pos, layout, page_ids))
+        pos = [i for i in dram_pos if i < good]
+        if pos:
+            self._copy_dram(entries, pos, layout, page_ids)
+        ssd_hits = sum(1 for i in ssd_pos if i < good)
+        self.stats.add(hit_pages_dram=len(pos), hit_pages_ssd=ssd_hits,
+                       logical_read_bytes_ssd=ssd_hits * g.page_bytes)
+        return good
+
+    def _copy_dram(self, entries, pos: list[int], layout: KvPageLayout, page_ids) -> None:
+        """Copy DRAM pages ``entries[pos]`` (slot rows ``[layers, chunk_bytes]``) into the layout."""
+        g = self.geometry
+        slots = torch.tensor([(entries[i].gva & OFFSET_MASK) // g.page_bytes for i in pos], dtype=torch.long)
+        dst = torch.tensor([int(page_ids[i]) for i in pos], dtype=torch.long)
+        rows = self.dram.slots[slots].view(len(pos), g.layers, g.chunk_bytes)
+        if rows.device != layout.device:
+            rows = rows.to(layout.device, non_blocking=True)
+        for layer in range(g.layers):
+            layout.scatter_chunks(rows[:, layer], dst, layer)
+
+    def chunk_batch(self, entries: Sequence[PageEntry], ssd_pos: Sequence[int], page_ids) -> ChunkBatch:
+        """The restore's :class:`ChunkBatch` for SSD pages ``entries[ssd_pos]``, built with numpy,
+        layer-major (all pages of layer 0, then layer 1, ...): chunk (page ``i``, layer ``l``) is
+        at byte ``offset_i + l * layer_stride_i`` of file ``file_i``, tag ``i`` (position in
+        ``entries``), checksum ``entries[i].checksums[l]`` when verification is on. No
+        per-chunk objects."""
+        g = self.geometry
+        m, L = len(ssd_pos), g.layers
+        pos = np.asarray(ssd_pos, dtype=np.int64)
+        es = [entries[i] for i in ssd_pos]
+        off = np.fromiter((e.gva & OFFSET_MASK for e in es), dtype=np.int64, count=m)
+        stride = np.fromiter((e.layer_stride for e in es), dtype=np.int64, count=m)
+        if isinstance(page_ids, torch.Tensor):
+            dst = page_ids.detach().to("cpu", torch.int64).numpy()[pos]
+        else:
+            dst = np.fromiter((int(page_ids[i]) for i in ssd_pos), dtype=np.int64, count=m)
+        f, o = np.divmod(off, self.file_bytes)
+        lay = np.arange(L, dtype=np.int64)
+        offsets = (o[None, :] + lay[:, None] * stride[None, :]).reshape(-1)  # [L, m] flattened layer-major
+        sums = has = None
+        if self.verify:
+            has_page = np.fromiter((e.checksums is not None for e in es), dtype=bool, count=m)
+            sums = np.zeros((L, m), dtype=np.uint64)
+            for j in np.flatnonzero(has_page).tolist():
+                sums[:, j] = np.asarray(es[j].checksums, dtype=np.uint64)[:L]
+            sums = sums.reshape(-1)
+            has = np.broadcast_to(has_page[None, :], (L, m)).reshape(-1)
+        return ChunkBatch(
+            np.broadcast_to(f, (L, m)).reshape(-1), offsets, np.broadcast_to(dst, (L, m)).reshape(-1),
+            np.repeat(lay, m), np.broadcast_to(pos, (L, m)).reshape(-1), g.chunk_bytes,
+            checksum=sums, has_checksum=has if self.verify else np.zeros(L * m, dtype=bool),
+        )
+
+    def _read_ssd(self, entries, ssd_pos: list[int], layout: KvPageLayout, page_ids) -> int:
+        """Restore SSD pages; returns the first position (in ``entries``) that failed, or len."""
+        rep = self.cio.restore(self.chunk_batch(entries, ssd_pos, page_ids), layout)
+        self.stats.add(ssd_read_bytes=rep.bytes_read, ssd_over_read_bytes=rep.bytes_over_read,
+                       ssd_read_ops=rep.io_requests, merged_reads=rep.merged_reads, ssd_read_s=rep.read_s)
+        return min(rep.failed_tags) if rep.failed_tags else len(entries)
+
+    def file_of(self, entry: PageEntry) -> int:
+        """SSD pool file holding ``entry``'s page (``-1`` for a DRAM page)."""
+        if medium_of(entry.gva) != MEDIUM_SSD:
+            return -1
+        return (entry.gva & OFFSET_MASK) // self.file_bytes
+
+    def forget_file(self, file_index: int) -> None:
+        """Close the restore engine's cached handles of ``file_index`` (it was removed,
+        truncated or replaced; the next read reopens it by path)."""
+        self.cio.forget_file(file_index)

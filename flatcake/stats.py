@@ -1,0 +1,73 @@
+"""The store's one stats object: cumulative counters shared by the scope table, the write path
+and the read path (bytes, pages, operations, seconds).
+
+Each component adds to it with :meth:`StoreStats.add` (thread-safe); the facade reads a
+consistent copy with :meth:`StoreStats.snapshot`. ``flatcake_stats()`` on the SGLang adapter
+and the replay's per-system counters are built from that snapshot.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from dataclasses import dataclass, field
+
+
+@dataclass
+class StoreStats:
+    """Cumulative counters of one :class:`~flatcake.store.PageStore`.
+
+    Attributes:
+        hit_pages_dram, hit_pages_ssd: pages delivered by reads, per medium.
+        logical_read_bytes_ssd: bytes of SSD pages delivered (pages × page_bytes).
+        ssd_read_bytes: bytes read from the SSD (merged reads, over-read included).
+        ssd_read_ops: read requests issued (a merged read is cut into pieces read in parallel).
+        ssd_over_read_bytes: bridged holes and alignment slack read and thrown away.
+        merged_reads: merged reads planned by FC-CIO.
+        ssd_read_s: seconds spent in FC-CIO restores (first read to last scatter).
+        ssd_write_bytes, ssd_write_ops: bytes and ``pwrite`` calls to the SSD (headers included).
+        dram_write_bytes: bytes copied into DRAM slots.
+        logical_write_bytes: bytes of pages stored (pages × page_bytes).
+        pages_written_dram, pages_written_ssd: pages stored, per medium.
+        put_failures, get_failures: rounds that failed to store; reads that stopped early.
+        reclaimed_scopes_ssd, reclaimed_scopes_dram: whole scopes freed (reclaim, clear, faults).
+        reclaimed_bytes: medium bytes those scopes held.
+    """
+
+    hit_pages_dram: int = 0
+    hit_pages_ssd: int = 0
+    logical_read_bytes_ssd: int = 0
+    ssd_read_bytes: int = 0
+    ssd_read_ops: int = 0
+    ssd_over_read_bytes: int = 0
+    merged_reads: int = 0
+    ssd_read_s: float = 0.0
+    ssd_write_bytes: int = 0
+    ssd_write_ops: int = 0
+    dram_write_bytes: int = 0
+    logical_write_bytes: int = 0
+    pages_written_dram: int = 0
+    pages_written_ssd: int = 0
+    put_failures: int = 0
+    get_failures: int = 0
+    reclaimed_scopes_ssd: int = 0
+    reclaimed_scopes_dram: int = 0
+    reclaimed_bytes: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def add(self, **deltas: float) -> None:
+        """Add ``deltas`` to the named counters (one lock round trip for all of them).
+
+        Raises:
+            AttributeError: a name that is not a counter.
+        """
+        with self._lock:
+            for name, v in deltas.items():
+                if name.startswith("_"):
+                    raise AttributeError(name)
+                setattr(self, name, getattr(self, name) + v)
+
+    def snapshot(self) -> dict:
+        """A consistent copy of every counter as a plain dict."""
+        with self._lock:
+            return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if not f.name.startswith("_")}

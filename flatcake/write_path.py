@@ -1,0 +1,175 @@
+"""The write path: moves a placed round's bytes from the KV buffer onto its medium (paper §3.1
+write-time placement, §3.3 layer-major layout). It decides nothing: the scope table
+(:mod:`flatcake.gva.scopes`) has already chosen the medium and reserved the space, and
+publishes the returned entries only after this path has written the bytes.
+
+Lifecycle of one round (no lock held)::
+
+    DRAM:  gather the pages layer by layer -> copy into the reserved slots  -> PageEntry per page
+    SSD:   [extent header, if the round opens an extent: one 4 KiB pwrite]
+           gather the pages layer-major into this thread's aligned buffer -> xxh3-64 per chunk
+           -> round = header | data | record (keys, checksums) -> one aligned pwrite
+           -> PageEntry per page (GVA, layer stride, checksums)
+
+A failed write raises (``OSError``; :class:`~flatcake.media.ssd.PoolFileGone` when the pool
+file vanished); the store then aborts the placement and reports a failed put.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import torch
+import xxhash
+
+from flatcake.align import align_up
+from flatcake.gva.address import MEDIUM_DRAM, MEDIUM_SSD, encode_gva
+from flatcake.gva.index import PageEntry
+from flatcake.gva.scopes import Placement
+from flatcake.layout import KvPageLayout, PageGeometry
+from flatcake.media import extent as fmt
+from flatcake.media.dram import DramRegion
+from flatcake.media.ssd import AlignedBuffer, SsdFilePool
+from flatcake.stats import StoreStats
+
+#: pages in one round at most (SGLang backs up at most 128 pages per call)
+MAX_ROUND_PAGES = 128
+
+#: key length assumed when sizing the largest round a pool file can hold (SGLang keys are 64 hex chars)
+_SIZING_KEY = "k" * 80
+
+
+def max_round_pages(file_bytes: int, geometry: PageGeometry) -> int:
+    """Pages of the largest round (a power of two, at most :data:`MAX_ROUND_PAGES`) whose round
+    header, data and record fit in one pool file of ``file_bytes`` bytes beside an extent header
+    and a block of slack; 0 when not even one page fits."""
+    room = file_bytes - 2 * fmt.BLOCK
+    n = MAX_ROUND_PAGES
+    while n > 0 and align_up(n * geometry.page_bytes) + align_up(
+            fmt.record_size([_SIZING_KEY] * n, geometry.layers)) > room - fmt.BLOCK:
+        n //= 2
+    return n
+
+
+class WritePath:
+    """Writes placed rounds to DRAM slots or SSD extents.
+
+    Args:
+        geometry: page geometry of the namespace.
+        namespace: namespace string (its digest goes into every extent header and record).
+        node: GVA node field of the addresses it returns.
+        dram: the DRAM region (its ``slots`` tensor ``[n_slots, page_bytes]`` uint8).
+        ssd: the SSD file pool.
+        stats: the store's stats object.
+    """
+
+    def __init__(self, geometry: PageGeometry, namespace: str, node: int, dram: DramRegion, ssd: SsdFilePool,
+                 stats: StoreStats):
+        self.geometry = geometry
+        self.namespace = namespace
+        self.node = node
+        self.dram = dram
+        self.ssd = ssd
+        self.stats = stats
+        self._tls = threading.local()
+
+    def write(self, plc: Placement, layout: KvPageLayout) -> list[PageEntry]:
+        """Write round ``plc`` from pages ``plc.src_pages`` of ``layout``.
+
+        Returns:
+            One :class:`PageEntry` per page, in ``plc.keys`` order, for the scope table to publish.
+
+        Raises:
+            OSError: an SSD write failed (``PoolFileGone`` when the pool file was removed or
+                truncated behind the backend).
+            IndexError, RuntimeError: source pages outside ``layout`` (a caller bug).
+        """
+        if plc.medium == MEDIUM_DRAM:
+            return self._write_dram(plc, layout)
+        return self._write_ssd(plc, layout)
+
+    # ------------------------------------------------------------------ DRAM
+    def _write_dram(self, plc: Placement, layout: KvPageLayout) -> list[PageEntry]:
+        """Gather the pages (``[n, layers, chunk_bytes]``) and copy them into their slots."""
+        g = self.geometry
+        n = len(plc.keys)
+        src = torch.tensor(plc.src_pages, dtype=torch.long)
+        tmp = torch.empty((n, g.layers, g.chunk_bytes), dtype=torch.uint8, device=layout.device)
+        for layer in range(g.layers):
+            layout.gather_chunks(src, layer, tmp[:, layer])
+        self.dram.slots[torch.tensor(plc.slots, dtype=torch.long)] = tmp.view(n, -1).to("cpu")
+        self.stats.add(dram_write_bytes=n * g.page_bytes, pages_written_dram=n)
+        return [PageEntry(encode_gva(MEDIUM_DRAM, self.node, s * g.page_bytes), plc.scope, g.chunk_bytes)
+                for s in plc.slots]
+
+    # ------------------------------------------------------------------ SSD
+    def _scratch(self, nbytes: int) -> memoryview:
+        """This thread's page-aligned write buffer, at least ``nbytes`` long (reused)."""
+        buf = getattr(self._tls, "buf", None)
+        if buf is None:
+            buf = self._tls.buf = AlignedBuffer()
+        return buf.reserve(nbytes)
+
+    def _write_extent_header(self, plc: Placement) -> None:
+        ext = plc.new_extent
+        view = self._scratch(fmt.BLOCK)  # this thread's write buffer; the round reuses it after
+        view[:] = fmt.pack_extent_header(self.namespace, self.node, plc.scope.scope_id, plc.extent_seq, ext.nbytes)
+        self.ssd.write(ext.file_index, ext.offset, view[: fmt.BLOCK])
+        self.stats.add(ssd_write_bytes=fmt.BLOCK, ssd_write_ops=1)
+
+    def _gather_layer_major(self, plc: Placement, layout: KvPageLayout, arr: np.ndarray) -> None:
+        """Copy the round's chunks into ``arr`` (uint8 ``[layers * n * chunk_bytes]``), layer-major."""
+        g = self.geometry
+        n = len(plc.keys)
+        data = torch.from_numpy(arr).view(g.layers, n, g.chunk_bytes)
+        src = torch.tensor(plc.src_pages, dtype=torch.long)
+        for layer in range(g.layers):
+            if layout.device.type == "cpu":
+                layout.gather_chunks(src, layer, data[layer])
+            else:
+                tmp = torch.empty((n, g.chunk_bytes), dtype=torch.uint8, device=layout.device)
+                layout.gather_chunks(src, layer, tmp)
+                data[layer].copy_(tmp)
+
+    def _checksums(self, view: memoryview, base: int, n: int) -> np.ndarray:
+        """uint64 ``[layers, n]`` xxh3-64 of every chunk of the layer-major data at ``view[base:]``."""
+        g = self.geometry
+        cb = g.chunk_bytes
+        sums = np.empty((g.layers, n), dtype=np.uint64)
+        h = xxhash.xxh3_64_intdigest
+        for layer in range(g.layers):
+            for p in range(n):
+                o = base + (layer * n + p) * cb
+                sums[layer, p] = h(view[o: o + cb])
+        return sums
+
+    def _write_ssd(self, plc: Placement, layout: KvPageLayout) -> list[PageEntry]:
+        """Write the round as one aligned pwrite: header | layer-major data | record."""
+        g = self.geometry
+        lay = plc.layout
+        n = lay.n_pages
+        cb = g.chunk_bytes
+        if plc.new_extent is not None:
+            self._write_extent_header(plc)
+        view = self._scratch(lay.total_bytes)
+        arr = np.frombuffer(view, dtype=np.uint8, count=lay.total_bytes)
+        view[: fmt.BLOCK] = fmt.pack_round_header(lay, plc.seq, plc.scope.scope_id)
+        data_end = fmt.BLOCK + n * g.layers * cb
+        self._gather_layer_major(plc, layout, arr[fmt.BLOCK: data_end])
+        sums = self._checksums(view, fmt.BLOCK, n)
+        arr[data_end: lay.record_offset] = 0
+        rec = fmt.pack_record(self.namespace, plc.keys, g.layers, cb, sums)
+        arr[lay.record_offset: lay.record_offset + len(rec)] = np.frombuffer(rec, dtype=np.uint8)
+        arr[lay.record_offset + len(rec): lay.total_bytes] = 0
+        self.ssd.write(plc.extent_file, plc.round_offset, view[: lay.total_bytes])
+        self.stats.add(ssd_write_bytes=lay.total_bytes, ssd_write_ops=1, pages_written_ssd=n)
+        stride = n * cb
+        base_off = plc.extent_file * self.ssd.file_bytes + plc.round_offset + fmt.BLOCK
+        return [
+            PageEntry(encode_gva(MEDIUM_SSD, self.node, base_off + p * cb), plc.scope, stride, sums[:, p].copy())
+            for p in range(n)
+        ]
+
+
+__all__ = ["MAX_ROUND_PAGES", "WritePath", "max_round_pages"]

@@ -1,0 +1,98 @@
+"""Write-time placement (paper Table 2) from the signals derived from SGLang's key chain, driven
+through the backend as SGLang drives it (hit queries, then ``batch_set_v1`` with prefix keys)."""
+
+import pytest
+from flatcake_testkit import write_pages
+
+from flatcake.gva.address import MEDIUM_DRAM, MEDIUM_SSD
+from flatcake.gva.placement import ReuseScope
+
+
+@pytest.fixture
+def backend(make_backend):
+    def _b(**extra):
+        ex = {
+            "dram.capacity_bytes": 1 << 20,
+            "placement.l_agent_tokens": 40,
+            "placement.tau_tokens": 24,
+            "placement.short_reply_tokens": 12,
+        }
+        ex.update(extra)
+        return make_backend(extra=ex, pages=128)
+
+    return _b
+
+
+def put(be, pool, keys, first_page, prefix):
+    return write_pages(be, pool, keys, range(first_page, first_page + len(keys)), prefix)
+
+
+def media(be, keys):
+    return [be.store.medium_of(k) for k in keys]
+
+
+def test_turn1_one_shot_goes_to_ssd(backend):
+    be, pool = backend()
+    keys = ["a0", "a1"]
+    be.batch_exists(keys)
+    put(be, pool, keys, 0, [])
+    assert media(be, keys) == ["ssd"] * 2
+    assert be.store.page_info("a0").reuse == ReuseScope.ONE_SHOT
+
+
+def test_shared_prompt_queried_by_two_requests_goes_to_dram(backend):
+    be, pool = backend()
+    sys_prompt = ["sys0", "sys1"]
+    assert be.batch_exists(sys_prompt + ["u1"]) == 0  # request 1
+    assert be.batch_exists(sys_prompt + ["u2"]) == 0  # request 2, same prefix
+    put(be, pool, sys_prompt, 0, [])
+    assert media(be, sys_prompt) == ["dram"] * 2
+    assert be.store.page_info("sys0").reuse == ReuseScope.SHARED_PROMPT
+
+
+def test_short_chat_turn2_after_short_reply_goes_to_dram_and_later_turns_join(backend):
+    be, pool = backend()
+    t1 = ["c0", "c1"]  # 8 tokens: short
+    be.batch_exists(t1)
+    put(be, pool, t1, 0, [])
+    scope1 = be.store.index.get("c0").scope
+    assert scope1.medium == MEDIUM_SSD and scope1.turn == 1
+    # turn 2: the hit query's stored run ends on the session's tail -> new turn
+    t2 = ["c2"]
+    assert be.batch_exists(t1 + t2) == 2
+    assert scope1.turn == 2 and scope1.prev_turn_tokens == 8
+    put(be, pool, t2, 2, t1)
+    # the session's scope and medium are kept: turn-2 pages join the SSD scope
+    assert be.store.index.get("c2").scope is scope1
+    # a branch (edited turn 2) from the middle opens a new scope that inherits the turn;
+    # its previous reply was short (8 tokens < 12) -> short chat -> DRAM
+    branch = ["c1x"]
+    put(be, pool, branch, 3, ["c0"])
+    s = be.store.index.get("c1x").scope
+    assert s is not scope1 and s.medium == MEDIUM_DRAM and s.reuse == ReuseScope.SHORT_CHAT and s.turn == 2
+
+
+def test_context_over_l_agent_goes_to_ssd_and_dram_scope_continues_on_ssd(backend):
+    be, pool = backend()
+    shared = ["s0", "s1"]
+    be.batch_exists(shared)
+    be.batch_exists(shared)
+    put(be, pool, shared, 0, [])
+    assert media(be, shared) == ["dram"] * 2
+    # the same session appends past L_agent (40 tokens = 10 pages): new rounds on SSD
+    more = [f"s{i}" for i in range(2, 12)]
+    put(be, pool, more, 2, shared)
+    assert media(be, more) == ["ssd"] * 10
+    assert be.store.page_info("s2").reuse == ReuseScope.AGENT_SESSION
+    assert media(be, shared) == ["dram"] * 2  # never migrates
+
+
+def test_dram_full_overflows_to_ssd(backend, make_backend):
+    be, pool = backend(**{"dram.capacity_bytes": 3 * 1536})  # 3 page slots
+    assert be.store.dram.n_slots == 3
+    keys = [f"o{i}" for i in range(4)]
+    be.batch_exists(keys)
+    be.batch_exists(keys)
+    put(be, pool, keys, 0, [])
+    assert media(be, keys) == ["ssd"] * 4
+    assert be.store.page_info("o0").reuse == ReuseScope.OVERFLOW

@@ -1,0 +1,53 @@
+"""TP ranks and processes sharing FlatCake pools: the MLA writer/follower ranks (the scope
+journal, :mod:`flatcake.gva.mirror`) and one writer per pool (SGLang 0.5.23 storage contract)."""
+
+from __future__ import annotations
+
+import pytest
+from flatcake_testkit import page_matches, slots_of, write_pages
+
+from flatcake.media.ssd import SsdStartupError
+
+
+def test_mla_tp2_follower_rank_sees_the_writer_rank_pages(make_backend):
+    """SGLang takes the MIN hit count over TP ranks; for MLA only rank 0 writes, so rank 1
+    must see rank 0's pages (it tails rank 0's scope journal and reads its pool files)."""
+    w, wpool = make_backend(mla=True, tp_rank=0, tp_size=2, extra={"dram.capacity_bytes": 1 << 20, "cio.verify_checksums": False})
+    f, fpool = make_backend(mla=True, tp_rank=1, tp_size=2)
+    assert (w.store.role, f.store.role) == ("writer", "follower")
+    assert w.store.dram.n_slots == 0  # DRAM pages would be invisible to rank 1
+    keys = [f"mla{i}" for i in range(6)]
+    assert write_pages(w, wpool, keys[:3], range(3)) == [True] * 3
+    assert write_pages(w, wpool, keys[3:], range(3, 6), prefix=keys[:3]) == [True] * 3
+    assert write_pages(f, fpool, keys, range(6)) == [True] * 6  # non-writer: SGLang skips it; no bytes written
+    assert min(w.batch_exists(keys), f.batch_exists(keys)) == 6
+    assert f.batch_get_v1(keys, slots_of(fpool, range(10, 16))) == [True] * 6
+    assert all(page_matches(fpool, (10 + i) * fpool.page_size, k) for i, k in enumerate(keys))
+    assert f.store.cfg.cio.verify_checksums is True  # followers always verify
+    w.clear()  # the writer frees the scope: the follower stops advertising it
+    assert f.batch_exists(keys) == 0
+
+
+def test_second_writer_on_the_same_pool_fails_at_startup(make_backend):
+    make_backend()
+    with pytest.raises(SsdStartupError, match="in use by another FlatCake process"):
+        make_backend()
+
+
+def test_follower_starts_over_when_the_writer_restarts(make_backend):
+    w1, wpool = make_backend(mla=True, tp_rank=0, tp_size=2)
+    f, fpool = make_backend(mla=True, tp_rank=1, tp_size=2)
+    a = [f"A{i}" for i in range(4)]
+    write_pages(w1, wpool, a, range(4))
+    assert f.batch_exists(a) == 4
+    w1.close()
+    w2, wpool2 = make_backend(mla=True, tp_rank=0, tp_size=2)  # a restarted writer: a new journal
+    b = [f"B{i}" for i in range(4)]
+    b2 = [f"B2{i}" for i in range(4)]
+    write_pages(w2, wpool2, b, range(4))
+    write_pages(w2, wpool2, b2, range(4, 8))
+    assert (f.batch_exists(a), f.batch_exists(b), f.batch_exists(b2)) == (0, 4, 4)
+    assert f.batch_get_v1(b + b2, slots_of(fpool, range(10, 18))) == [True] * 8
+    assert all(page_matches(fpool, (10 + i) * fpool.page_size, k) for i, k in enumerate(b + b2))
+    f.close()
+    assert f.batch_set_v1(b, slots_of(fpool, range(4))) == [False] * 4  # closed: no success reported
