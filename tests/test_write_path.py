@@ -1,0 +1,100 @@
+"""The write path on its own (paper §3.1 write-time placement, §3.3 layer-major rounds): the bytes
+it puts on each medium and the entries it hands back, for placements made by the scope table."""
+
+import os
+
+import numpy as np
+import pytest
+import torch
+import xxhash
+from flatcake_testkit import fill_page, make_store
+
+from flatcake.gva.address import MEDIUM_DRAM, MEDIUM_SSD, decode_gva
+from flatcake.layout import PageGeometry
+from flatcake.media import extent as fmt
+from flatcake.media.ssd import PoolFileGone
+from flatcake.write_path import MAX_ROUND_PAGES, max_round_pages
+
+
+def place(store, keys, pages, parent=None):
+    with store.scopes.lock:
+        return store.scopes.place_locked(keys, pages, parent, len(keys) * store.geometry.page_size)
+
+
+def chunk(lay, page: int, layer: int) -> bytes:
+    """The host pool's bytes of (page, layer), as the write path gathers them."""
+    out = torch.empty((1, lay.geometry.chunk_bytes), dtype=torch.uint8)
+    lay.gather_chunks(torch.tensor([page]), layer, out)
+    return out.numpy().tobytes()
+
+
+@pytest.mark.parametrize("mla", [False, True], ids=["mha", "mla"])
+def test_ssd_round_is_extent_header_then_header_layer_major_data_and_record(ssd_dir, mla):
+    store, pool, lay = make_store(ssd_dir, mla=mla, layout="layer_first")
+    g = store.geometry
+    keys = ["w0", "w1", "w2"]
+    for i, k in enumerate(keys):
+        fill_page(pool, (5 + i) * pool.page_size, k)
+    plc = place(store, keys, [5, 6, 7])
+    entries = store.writer.write(plc, lay)
+    store.scopes.release(plc)
+    ext = plc.new_extent
+    raw = open(store.ssd.path_of(ext.file_index), "rb").read()
+    eh = fmt.unpack_extent_header(raw[ext.offset: ext.offset + fmt.BLOCK])
+    assert (eh.namespace, eh.scope_id, eh.extent_seq) == (store.namespace, plc.scope.scope_id, 0)
+    rnd = raw[plc.round_offset: plc.round_offset + plc.layout.total_bytes]
+    rl, seq, sid = fmt.unpack_round_header(rnd[: fmt.BLOCK])
+    assert (rl.n_pages, rl.layers, rl.chunk_bytes, seq, sid) == (3, g.layers, g.chunk_bytes, 0, plc.scope.scope_id)
+    rec = fmt.unpack_record(rnd[rl.record_offset:])
+    assert rec.keys == tuple(keys)
+    for p in range(3):
+        for layer in range(g.layers):
+            o = rl.chunk_offset(p, layer)
+            assert rnd[o: o + g.chunk_bytes] == chunk(lay, 5 + p, layer)  # layer-major, bit for bit
+            assert xxhash.xxh3_64_intdigest(rnd[o: o + g.chunk_bytes]) == int(rec.checksums[layer, p])
+        e = entries[p]
+        f = decode_gva(e.gva)
+        assert (f.medium, f.offset) == (MEDIUM_SSD, ext.file_index * store.ssd.file_bytes + plc.round_offset + fmt.BLOCK + p * g.chunk_bytes)
+        assert e.layer_stride == 3 * g.chunk_bytes and np.array_equal(e.checksums, rec.checksums[:, p])
+    st = store.stats.snapshot()
+    assert (st["ssd_write_ops"], st["ssd_write_bytes"], st["pages_written_ssd"]) == (2, fmt.BLOCK + rl.total_bytes, 3)
+    store.close()
+
+
+def test_dram_round_lands_page_major_in_its_slots(ssd_dir):
+    store, pool, lay = make_store(ssd_dir, **{"dram.capacity_bytes": 1 << 20})
+    g = store.geometry
+    keys = ["d0", "d1"]
+    for _ in range(2):
+        store.leading_run(keys)  # a shared prompt: DRAM
+    for i, k in enumerate(keys):
+        fill_page(pool, (3 + i) * pool.page_size, k)
+    plc = place(store, keys, [3, 4])
+    assert plc.medium == MEDIUM_DRAM
+    entries = store.writer.write(plc, lay)
+    store.scopes.release(plc)
+    for p, (slot, e) in enumerate(zip(plc.slots, entries)):
+        assert decode_gva(e.gva).offset == slot * g.page_bytes and e.checksums is None
+        row = store.dram.slots[slot].numpy().tobytes()
+        assert row == b"".join(chunk(lay, 3 + p, layer) for layer in range(g.layers))
+    assert store.stats.snapshot()["dram_write_bytes"] == 2 * g.page_bytes
+    store.close()
+
+
+def test_write_into_a_removed_pool_file_raises_pool_file_gone(ssd_dir):
+    store, pool, lay = make_store(ssd_dir)
+    plc = place(store, ["g0"], [0])
+    os.unlink(store.ssd.path_of(plc.extent_file))
+    with pytest.raises(PoolFileGone):
+        store.writer.write(plc, lay)
+    store.scopes.release(plc)
+    store.close()
+
+
+def test_max_round_pages_fits_header_data_and_record_in_one_file():
+    g = PageGeometry(layers=4, page_size=16, plane_row_bytes=(1024, 1024))  # 128 KiB pages
+    assert max_round_pages(1 << 30, g) == MAX_ROUND_PAGES
+    n = max_round_pages(4 << 20, g)
+    assert n == 16 and fmt.round_layout(["k" * 80] * n, 4, g.chunk_bytes).total_bytes + fmt.BLOCK <= 4 << 20
+    assert max_round_pages(64 << 10, g) == 0  # not even one page
+
