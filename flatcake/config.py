@@ -47,6 +47,10 @@ SGLANG_RESERVED_KEYS = frozenset(
     }
 )
 
+#: Pages per L3 call in SGLang 0.5.23 (``hicache_storage.STORAGE_BATCH_SIZE``): its prefetch
+#: reads and backup writes carry at most this many pages, so FlatCake's rounds do too.
+STORAGE_BATCH_PAGES = 128
+
 #: The extra-config keys that select FlatCake through SGLang's ``dynamic`` backend — the one
 #: definition the launcher, the replay, the benchmarks and the tests inject. SGLang's dynamic
 #: factory reads the first three; ``interface_v1`` selects the zero-copy
@@ -137,6 +141,7 @@ class PlacementConfig(_Section):
     tau_tokens: int = Field(4096, ge=1, description="reply >= this -> agent scope (SSD)")
     short_reply_tokens: int = Field(1024, ge=0, description="previous reply below this is 'short'")
     shared_refcount: int = Field(2, ge=2, description="prefix reference count >= this is a shared prompt")
+    requery_window_s: float = Field(30.0, ge=0, description="an identical hit query within this many seconds counts once")
 
 
 class CioConfig(_Section):

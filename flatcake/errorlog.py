@@ -36,7 +36,7 @@ class ErrorLog:
 
     def __init__(self, logger: logging.Logger):
         self._log = logger
-        self._seen: set[tuple[str, str]] = set()
+        self._counts: dict[tuple[str, str], int] = {}
         self._lock = threading.Lock()
         self.count = 0
 
@@ -47,11 +47,22 @@ class ErrorLog:
         with self._lock:
             self.count += 1
             key = (op, reason)
-            if key in self._seen:
+            seen = self._counts.get(key, 0)
+            self._counts[key] = seen + 1
+            if seen:
                 return
-            self._seen.add(key)
         self._log.warning("flatcake %s failed (%s): %s; further errors of this kind are counted, not logged",
                           op, reason, detail)
+
+    def count_of(self, op: str, reason: str) -> int:
+        """Reports of ``(op, reason)`` so far (e.g. ``("verify", "checksum")``)."""
+        with self._lock:
+            return self._counts.get((op, reason), 0)
+
+    def counts(self) -> dict[str, int]:
+        """Every ``"op/reason"`` reported so far, with its count."""
+        with self._lock:
+            return {f"{op}/{reason}": n for (op, reason), n in self._counts.items()}
 
     def __call__(self, op: str, err: BaseException) -> None:
         """Report exception ``err`` raised by ``op`` (reason from :func:`reason_of`)."""

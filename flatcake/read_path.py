@@ -8,8 +8,8 @@ Lifecycle of one read (no lock held)::
     split the entries by medium (the GVA's medium field)
     SSD pages:  one ChunkBatch of (page, layer) chunks, layer-major -> FC-CIO restore
                 (sort, merge, O_DIRECT reads into the staging window, verify, scatter)
-    DRAM pages: copy each page's layers from its slot into the layout (only pages before the
-                first SSD failure)
+    DRAM pages: check each slot still holds its key's page (its identity), then copy its
+                layers into the layout (only pages before the first failure)
     -> the leading number of pages delivered intact
 """
 
@@ -21,10 +21,12 @@ import numpy as np
 import torch
 
 from flatcake.cio.plan import ChunkBatch
+from flatcake.errorlog import ErrorLog
 from flatcake.gva.address import MEDIUM_DRAM, MEDIUM_SSD, OFFSET_MASK, medium_of
 from flatcake.gva.index import PageEntry
 from flatcake.layout import KvPageLayout, PageGeometry
 from flatcake.media.dram import DramRegion
+from flatcake.media.ssd import SsdFilePool
 from flatcake.stats import StoreStats
 
 
@@ -34,35 +36,46 @@ class ReadPath:
     Args:
         geometry: page geometry of the namespace.
         dram: the DRAM region.
+        ssd: the SSD pool (file size, and each file's generation: a page written under an older
+            generation of its file is a miss).
         cio: the FC-CIO :class:`~flatcake.cio.restore.RestoreEngine`.
-        file_bytes: bytes per SSD pool file (an SSD GVA offset is ``file * file_bytes + offset``).
-        verify: pass each chunk's checksum to the restore (``cio.verify_checksums``).
+        verify: pass each chunk's checksum to the restore (``cio.verify_checksums``); pages
+            rebuilt at start-up (``PageEntry.verify``) are checked whatever it says. The
+            restore engine must verify every chunk that carries a checksum.
         stats: the store's stats object.
+        errors: the store's error-once log (DRAM identity mismatches).
     """
 
-    def __init__(self, geometry: PageGeometry, dram: DramRegion, cio, file_bytes: int, verify: bool,
-                 stats: StoreStats):
+    def __init__(self, geometry: PageGeometry, dram: DramRegion, ssd: SsdFilePool, cio, verify: bool,
+                 stats: StoreStats, errors: ErrorLog):
+        self.errors = errors
         self.geometry = geometry
         self.dram = dram
+        self.ssd = ssd
         self.cio = cio
-        self.file_bytes = file_bytes
+        self.file_bytes = ssd.file_bytes
         self.verify = verify
         self.stats = stats
 
-    def read(self, entries: Sequence[PageEntry], layout: KvPageLayout, page_ids: Sequence[int]) -> int:
-        """Deliver page ``entries[i]`` into page ``page_ids[i]`` of ``layout``.
+    def read(self, keys: Sequence[str], entries: Sequence[PageEntry], layout: KvPageLayout,
+             page_ids: Sequence[int]) -> int:
+        """Deliver page ``entries[i]`` (the page of ``keys[i]``) into page ``page_ids[i]`` of ``layout``.
 
         Args:
+            keys: the pages' keys (DRAM pages are checked against their slot's identity).
             entries: index entries whose scopes the caller pinned.
             layout: destination (host pool or flat pages).
             page_ids: int page ids in ``layout`` (a list or an int64 tensor), at least as many as entries.
 
         Returns:
             ``n``: pages ``0..n-1`` were delivered intact; page ``n`` (if any) failed (short
-            read, I/O error, checksum mismatch) and no later page is reported.
+            read, I/O error, checksum mismatch, a DRAM slot holding another page) and no later
+            page is reported.
 
         Raises:
-            ValueError: descriptors outside the layout (a caller bug); I/O faults never raise.
+            ValueError: descriptors outside the layout (a caller bug).
+            RuntimeError: the restore engine was closed.
+            I/O faults never raise.
         """
         g = self.geometry
         n = len(entries)
@@ -74,16 +87,32 @@ class ReadPath:
             good = min(good, self._read_ssd(entries, ssd_pos, layout, page_ids))
         pos = [i for i in dram_pos if i < good]
         if pos:
+            good = min(good, self._check_dram(keys, entries, pos))
+            pos = [i for i in pos if i < good]
+        if pos:
             self._copy_dram(entries, pos, layout, page_ids)
         ssd_hits = sum(1 for i in ssd_pos if i < good)
         self.stats.add(hit_pages_dram=len(pos), hit_pages_ssd=ssd_hits,
                        logical_read_bytes_ssd=ssd_hits * g.page_bytes)
         return good
 
+    def _slot(self, e: PageEntry) -> int:
+        return (e.gva & OFFSET_MASK) // self.geometry.page_bytes
+
+    def _check_dram(self, keys, entries, pos: list[int]) -> int:
+        """The first position in ``pos`` whose slot does not hold its key's page, else len(entries)."""
+        ok = self.dram.holds([self._slot(entries[i]) for i in pos], [keys[i] for i in pos])
+        if ok.all():
+            return len(entries)
+        bad = pos[int(np.argmin(ok))]
+        self.errors.report("verify", "dram identity", f"DRAM slot {self._slot(entries[bad])} does not hold page "
+                           f"{keys[bad][:32]}")
+        return bad
+
     def _copy_dram(self, entries, pos: list[int], layout: KvPageLayout, page_ids) -> None:
         """Copy DRAM pages ``entries[pos]`` (slot rows ``[layers, chunk_bytes]``) into the layout."""
         g = self.geometry
-        slots = torch.tensor([(entries[i].gva & OFFSET_MASK) // g.page_bytes for i in pos], dtype=torch.long)
+        slots = torch.tensor([self._slot(entries[i]) for i in pos], dtype=torch.long)
         dst = torch.tensor([int(page_ids[i]) for i in pos], dtype=torch.long)
         rows = self.dram.slots[slots].view(len(pos), g.layers, g.chunk_bytes)
         if rows.device != layout.device:
@@ -95,8 +124,8 @@ class ReadPath:
         """The restore's :class:`ChunkBatch` for SSD pages ``entries[ssd_pos]``, built with numpy,
         layer-major (all pages of layer 0, then layer 1, ...): chunk (page ``i``, layer ``l``) is
         at byte ``offset_i + l * layer_stride_i`` of file ``file_i``, tag ``i`` (position in
-        ``entries``), checksum ``entries[i].checksums[l]`` when verification is on. No
-        per-chunk objects."""
+        ``entries``), checksum ``entries[i].checksums[l]`` when verification is on or the page
+        was rebuilt at start-up. No per-chunk objects."""
         g = self.geometry
         m, L = len(ssd_pos), g.layers
         pos = np.asarray(ssd_pos, dtype=np.int64)
@@ -110,26 +139,32 @@ class ReadPath:
         f, o = np.divmod(off, self.file_bytes)
         lay = np.arange(L, dtype=np.int64)
         offsets = (o[None, :] + lay[:, None] * stride[None, :]).reshape(-1)  # [L, m] flattened layer-major
-        sums = has = None
-        if self.verify:
-            has_page = np.fromiter((e.checksums is not None for e in es), dtype=bool, count=m)
-            sums = np.zeros((L, m), dtype=np.uint64)
-            for j in np.flatnonzero(has_page).tolist():
-                sums[:, j] = np.asarray(es[j].checksums, dtype=np.uint64)[:L]
-            sums = sums.reshape(-1)
-            has = np.broadcast_to(has_page[None, :], (L, m)).reshape(-1)
+        verify = self.verify
+        has_page = np.fromiter((e.checksums is not None and (verify or e.verify) for e in es), dtype=bool, count=m)
+        sums = np.zeros((L, m), dtype=np.uint64)
+        for j in np.flatnonzero(has_page).tolist():
+            sums[:, j] = np.asarray(es[j].checksums, dtype=np.uint64)[:L]
         return ChunkBatch(
             np.broadcast_to(f, (L, m)).reshape(-1), offsets, np.broadcast_to(dst, (L, m)).reshape(-1),
             np.repeat(lay, m), np.broadcast_to(pos, (L, m)).reshape(-1), g.chunk_bytes,
-            checksum=sums, has_checksum=has if self.verify else np.zeros(L * m, dtype=bool),
+            checksum=sums.reshape(-1), has_checksum=np.broadcast_to(has_page[None, :], (L, m)).reshape(-1),
         )
 
     def _read_ssd(self, entries, ssd_pos: list[int], layout: KvPageLayout, page_ids) -> int:
-        """Restore SSD pages; returns the first position (in ``entries``) that failed, or len."""
+        """Restore SSD pages; returns the first position (in ``entries``) that failed, or len.
+
+        A page whose pool file was reset (removed or truncated behind the backend) after it was
+        written fails even when its bytes were read: after the check below, nothing read before
+        it can come from a file recreated since (the read would have found the new generation)."""
         rep = self.cio.restore(self.chunk_batch(entries, ssd_pos, page_ids), layout)
         self.stats.add(ssd_read_bytes=rep.bytes_read, ssd_over_read_bytes=rep.bytes_over_read,
                        ssd_read_ops=rep.io_requests, merged_reads=rep.merged_reads, ssd_read_s=rep.read_s)
-        return min(rep.failed_tags) if rep.failed_tags else len(entries)
+        bad = min(rep.failed_tags) if rep.failed_tags else len(entries)
+        gen = self.ssd.generation_of
+        stale = next((i for i in ssd_pos if gen(self.file_of(entries[i])) != entries[i].generation), bad)
+        if stale < bad:
+            self.errors.report("read", "file reset", f"pool file {self.file_of(entries[stale])} was reset after the page was written")
+        return min(bad, stale)
 
     def file_of(self, entry: PageEntry) -> int:
         """SSD pool file holding ``entry``'s page (``-1`` for a DRAM page)."""

@@ -32,6 +32,7 @@ class StoreStats:
         put_failures, get_failures: rounds that failed to store; reads that stopped early.
         reclaimed_scopes_ssd, reclaimed_scopes_dram: whole scopes freed (reclaim, clear, faults).
         reclaimed_bytes: medium bytes those scopes held.
+        quarantined_scopes: scopes dropped because a page of theirs failed to read intact.
     """
 
     hit_pages_dram: int = 0
@@ -53,6 +54,7 @@ class StoreStats:
     reclaimed_scopes_ssd: int = 0
     reclaimed_scopes_dram: int = 0
     reclaimed_bytes: int = 0
+    quarantined_scopes: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def add(self, **deltas: float) -> None:

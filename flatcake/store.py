@@ -27,19 +27,21 @@ Lifecycle of a read (:meth:`PageStore.get`)::
 from __future__ import annotations
 
 import logging
-import threading
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from flatcake.config import ConfigError, FlatCakeConfig
 from flatcake.errorlog import ErrorLog
+from flatcake.gate import OperationGate
 from flatcake.gva.address import MEDIUM_NAMES, medium_of
 from flatcake.gva.journal import JournalReader, JournalWriter
 from flatcake.gva.mirror import FollowerMirror
+from flatcake.gva.rebuild import RebuildReport, rebuild_locked
 from flatcake.gva.scopes import ScopeTable
 from flatcake.layout import KvPageLayout, PageGeometry
 from flatcake.media.dram import DramRegion
-from flatcake.media.ssd import PoolFileGone, SsdFilePool
+from flatcake.media.errors import PoolFileGone, ShortWrite
+from flatcake.media.ssd import REFUSED_ERRNOS, SsdFilePool
 from flatcake.read_path import ReadPath
 from flatcake.stats import StoreStats
 from flatcake.write_path import WritePath, max_round_pages
@@ -49,6 +51,14 @@ log = logging.getLogger("flatcake.store")
 MAX_KEY_BYTES = 4096  # bytes of UTF-8 per page key (SGLang's are 64 hex characters)
 
 ROLES = ("single", "writer", "follower")
+
+
+def _count(keys) -> int:
+    """``len(keys)``, or 0 for something that has none (a call with no usable keys)."""
+    try:
+        return len(keys)
+    except TypeError:
+        return 0
 
 
 def valid_key(k) -> bool:
@@ -62,35 +72,6 @@ def valid_key(k) -> bool:
         return False
 
 
-class _Gate:
-    """Counts operations in flight so :meth:`PageStore.close` can wait for them; after close
-    every new operation is refused (a miss / failed put), never an exception."""
-
-    def __init__(self):
-        self._cv = threading.Condition()
-        self._n = 0
-        self.closed = False
-
-    def enter(self) -> bool:
-        with self._cv:
-            if self.closed:
-                return False
-            self._n += 1
-            return True
-
-    def exit(self) -> None:
-        with self._cv:
-            self._n -= 1
-            if self._n == 0:
-                self._cv.notify_all()
-
-    def close(self, timeout_s: float) -> bool:
-        """Refuse new operations; wait up to ``timeout_s`` seconds for running ones."""
-        with self._cv:
-            self.closed = True
-            return self._cv.wait_for(lambda: self._n == 0, timeout_s)
-
-
 @dataclass(frozen=True)
 class PageInfo:
     """Where a stored page lives (for tests, tools and logs).
@@ -101,6 +82,7 @@ class PageInfo:
         scope_id: its session scope.
         reuse: the scope's reuse class (``ReuseScope`` value, e.g. ``"agent_session"``).
         turn: the scope's current turn.
+        file_index: SSD pool file holding the page (-1 for a DRAM page).
     """
 
     gva: int
@@ -108,6 +90,7 @@ class PageInfo:
     scope_id: int
     reuse: str
     turn: int
+    file_index: int = -1
 
 
 class PageStore:
@@ -123,10 +106,16 @@ class PageStore:
             / ``"follower"`` (ranks that mirror the writer's pool; DRAM off, checksums on).
 
     Raises:
-        ValueError: an unknown ``role``.
-        flatcake.media.ssd.SsdStartupError: ``ssd.path`` unusable, or the pool is in use.
+        ValueError: an unknown ``role``; ``cio.staging_bytes`` too small for one chunk.
+        flatcake.media.errors.SsdStartupError: ``ssd.path`` unusable, the pool in use by another
+            process, or its first file cannot be created (``ENOSPC``, ...).
         ConfigError: ``ssd.file_bytes`` too small for one page, ``dram.capacity_bytes`` not
-            allocatable. Every resource taken before the failure is released.
+            allocatable.
+        flatcake.cio.engines.EngineUnavailableError: ``cio.engine: kvikio`` where kvikio cannot
+            move bytes (no CUDA driver).
+        OSError: the pool journal cannot be written.
+
+        Every resource taken before the failure is released (SGLang may retry the attach).
     """
 
     def __init__(self, cfg: FlatCakeConfig, geometry: PageGeometry, namespace: str, restore_engine=None,
@@ -142,7 +131,8 @@ class PageStore:
         self.stats = StoreStats()
         self.errors = ErrorLog(log)
         self.dram = self.ssd = self.cio = self._journal = self.mirror = None
-        self._gate = _Gate()
+        self.rebuilt = RebuildReport()
+        self._gate = OperationGate()
         try:
             self._open(restore_engine, instance)
         except BaseException:
@@ -160,45 +150,62 @@ class PageStore:
             self.dram = DramRegion(dram_cfg, g.page_bytes)
         except RuntimeError as e:
             raise ConfigError(f"dram.capacity_bytes: cannot allocate {dram_cfg.capacity_bytes} bytes: {e}") from None
-        self.ssd = SsdFilePool(cfg.ssd, self.namespace, instance, follower=role == "follower")
+        self.ssd = SsdFilePool(cfg.ssd, self.namespace, instance, follower=role == "follower", errors=self.errors)
         self.max_round_pages = max_round_pages(cfg.ssd.file_bytes, g)
         if self.max_round_pages == 0:
             raise ConfigError(
                 f"ssd.file_bytes: {cfg.ssd.file_bytes} bytes cannot hold one page of {g.page_bytes} bytes plus headers"
             )
-        if role == "writer":
-            self._journal = JournalWriter(self.ssd.journal_path)
-        self.scopes = ScopeTable(cfg, g, self.dram, self.ssd, self.stats, self.errors, self._journal)
+        self.scopes = ScopeTable(cfg, g, self.dram, self.ssd, self.stats, self.errors)
         self.index = self.scopes.index
         if role == "follower":
             self.mirror = FollowerMirror(self.index, JournalReader(self.ssd.journal_path), self.ssd, g,
                                          self.namespace, cfg.node_id, self.errors)
+        else:  # warm restart: serve what the pool holds, then start a compacted journal
+            with self.scopes.lock:
+                self.rebuilt = rebuild_locked(self.index, self.ssd, self.namespace, g, cfg.node_id, self.errors)
+                self._journal = JournalWriter(self.ssd.journal_path, self.scopes.journal_entries_locked())
+                self.scopes.journal = self._journal
+                self.scopes.live_rounds = self.rebuilt.rounds
+            if self.rebuilt.pages:
+                log.info("flatcake: rebuilt %d pages in %d scopes from %s in %.2f s (%d rounds dropped)",
+                         self.rebuilt.pages, self.rebuilt.scopes, self.ssd.journal_path, self.rebuilt.seconds,
+                         self.rebuilt.rounds_dropped)
         if restore_engine is None:
             from flatcake.cio.restore import RestoreEngine
 
-            restore_engine = RestoreEngine(cfg.cio, self.ssd.path_of, direct_io=self.ssd.direct_io,
-                                           chunk_bytes=g.chunk_bytes, errors=self.errors)
+            # the engine checks every chunk that carries a checksum; the read path decides which do
+            restore_engine = RestoreEngine(cfg.cio.model_copy(update={"verify_checksums": True}), self.ssd.path_of,
+                                           direct_io=self.ssd.direct_io, chunk_bytes=g.chunk_bytes, errors=self.errors)
         self.cio = restore_engine
         self.writer = WritePath(g, self.namespace, cfg.node_id, self.dram, self.ssd, self.stats)
-        self.reader = ReadPath(g, self.dram, self.cio, cfg.ssd.file_bytes, cfg.cio.verify_checksums, self.stats)
+        self.reader = ReadPath(g, self.dram, self.ssd, self.cio, cfg.cio.verify_checksums, self.stats, self.errors)
 
     # ================================================================ queries
     def exists(self, key: str) -> bool:
-        """True if ``key`` is published (lock-free)."""
-        return self.index.contains(key)
+        """True if ``key`` is published (lock-free). Never raises (an unusable key is absent)."""
+        try:
+            return self.index.contains(key)
+        except TypeError:
+            return False
 
     def leading_run(self, keys: Sequence[str], prefix_keys: Optional[Sequence[str]] = None) -> int:
         """Length of the leading run of stored keys (SGLang's hit query). Lock-free; also feeds
         the placement signals (turns, prefix reference counts). 0 once closed. Never raises."""
         if self._gate.closed:
             return 0
-        self._sync()
-        get = self.index.get
-        n = 0
-        for k in keys:
-            if get(k) is None:
-                break
-            n += 1
+        try:
+            self._sync()
+            keys = list(keys)
+            get = self.index.get
+            n = 0
+            for k in keys:
+                if get(k) is None:
+                    break
+                n += 1
+        except Exception as e:  # an unusable key list: nothing is stored under it
+            self.errors("hit query", e)
+            return 0
         try:
             self.scopes.note_hit_query(keys, n, prefix_keys)
         except Exception as e:  # signals are best-effort
@@ -206,12 +213,15 @@ class PageStore:
         return n
 
     def page_info(self, key: str) -> Optional[PageInfo]:
-        """Where ``key``'s page lives, or ``None`` if it is not stored (lock-free)."""
-        e = self.index.get(key)
+        """Where ``key``'s page lives, or ``None`` if it is not stored (lock-free, never raises)."""
+        try:
+            e = self.index.get(key)
+        except TypeError:
+            return None
         if e is None:
             return None
         s = e.scope
-        return PageInfo(e.gva, MEDIUM_NAMES[medium_of(e.gva)], s.scope_id, s.reuse.value, s.turn)
+        return PageInfo(e.gva, MEDIUM_NAMES[medium_of(e.gva)], s.scope_id, s.reuse.value, s.turn, self.reader.file_of(e))
 
     def medium_of(self, key: str) -> Optional[str]:
         """``"dram"`` or ``"ssd"`` for a stored key, ``None`` otherwise (lock-free)."""
@@ -222,21 +232,30 @@ class PageStore:
     def get(self, keys: Sequence[str], layout: KvPageLayout, page_ids: Sequence[int]) -> list[bool]:
         """Read pages ``keys[i]`` into page ``page_ids[i]`` of ``layout``.
 
+        Args:
+            keys: page keys.
+            layout: destination :class:`~flatcake.layout.KvPageLayout`.
+            page_ids: int page ids in ``layout`` (a list or an int64 tensor), one per key.
+
         Returns:
             ``[True] * n + [False] * (len(keys) - n)``: ``n`` is the leading run of pages that
             were stored, pinned and read intact. A page after the first miss is never reported.
             All misses once the store is closed. Never raises; I/O faults are misses, logged
             once per errno, and the failed page's scope is dropped.
         """
+        n = _count(keys)
         if not self._gate.enter():
-            return [False] * len(keys)
+            return [False] * n
         try:
             self._sync()
-            return self._get(keys, layout, page_ids)
+            return self._get(list(keys), layout, page_ids)
+        except Exception as e:
+            self.errors("get", e)
+            return [False] * n
         finally:
             self._gate.exit()
 
-    def _get(self, keys: Sequence[str], layout: KvPageLayout, page_ids: Sequence[int]) -> list[bool]:
+    def _get(self, keys: list, layout: KvPageLayout, page_ids: Sequence[int]) -> list[bool]:
         out = [False] * len(keys)
         entries: list = []
         unreadable = None
@@ -244,7 +263,7 @@ class PageStore:
             entries = self.scopes.pin_leading_run(keys)
             if not entries:
                 return out
-            good = self.reader.read(entries, layout, page_ids)
+            good = self.reader.read(keys, entries, layout, page_ids)
             out[:good] = [True] * good
             if good < len(entries):
                 self.stats.add(get_failures=1)
@@ -261,7 +280,7 @@ class PageStore:
     def _drop_unreadable(self, entry) -> None:
         """``entry``'s page could not be read intact (file truncated or removed behind the
         backend, EIO, checksum mismatch): stop advertising its whole scope, so hit queries stop
-        promising pages that every read would miss (skipped while another reader pins it), and
+        promising pages that every read would miss (freed once its other readers leave), and
         let the readers reopen its file by path (it may have been replaced)."""
         f = self.reader.file_of(entry)
         if f >= 0:
@@ -270,24 +289,36 @@ class PageStore:
             except Exception as e:
                 self.errors("forget file", e)
         with self.scopes.lock:
-            if self.scopes.free_scope_locked(entry.scope):
-                log.warning("flatcake: dropped scope %d (%d pages) after a failed read",
-                            entry.scope.scope_id, len(entry.scope.keys))
+            if entry.scope.retired or entry.scope.doomed:
+                return
+            n = len(entry.scope.keys)
+            self.scopes.drop_locked(entry.scope)  # freed now, or when its other readers leave
+        self.stats.add(quarantined_scopes=1)
+        self.errors.report("read", "scope dropped", f"scope {entry.scope.scope_id} ({n} pages) dropped after a "
+                           "failed read; its pages are misses from now on")
 
     # ================================================================ writes
     def put(self, keys: Sequence[str], layout: KvPageLayout, page_ids: Sequence[int],
             prefix_keys: Optional[Sequence[str]] = None) -> list[bool]:
         """Store pages ``keys[i]`` taken from page ``page_ids[i]`` of ``layout``.
 
+        Args:
+            keys: page keys (``str``, 1..4096 UTF-8 bytes).
+            layout: source :class:`~flatcake.layout.KvPageLayout`.
+            page_ids: int page ids in ``layout`` (a list or an int64 tensor), one per key.
+            prefix_keys: the keys before ``keys[0]`` in the request (SGLang's
+                ``extra_info.prefix_keys``), or None.
+
         Keys already stored are skipped (reported True). Returns per-page success; a failed
         page (no space, I/O error) is False and nothing stored before is touched; the pages
         after an invalid key are not stored. All ``False`` once the store is closed. Never raises.
         """
+        n = _count(keys)
+        out = [False] * n
         if not self._gate.enter():
-            return [False] * len(keys)
-        out = [False] * len(keys)
+            return out
         try:
-            self._put(keys, layout, page_ids, prefix_keys, out)
+            self._put(list(keys), layout, page_ids, prefix_keys, out)
         except Exception as e:
             self.errors("put", e)
         finally:
@@ -295,15 +326,30 @@ class PageStore:
         return out
 
     def _put(self, keys, layout, page_ids, prefix_keys, out: list[bool]) -> None:
-        """Fill ``out`` (per-page success) round by round; stops at the first failed round."""
-        todo, parent, seen = [], None, set()
+        """Fill ``out`` (per-page success) round by round; stops at the first failed round.
+        The new keys are claimed first, so a concurrent put of the same keys writes them once
+        (it waits, then finds them published)."""
+        n_valid = next((i for i, k in enumerate(keys) if not valid_key(k)), len(keys))
+        if n_valid < len(keys):
+            k = keys[n_valid]
+            self.errors("put", ValueError(f"invalid page key {str(k)[:80]!r} (need a str of 1..{MAX_KEY_BYTES} UTF-8 bytes)"))
+        mine = self.scopes.claims.claim(keys[:n_valid])  # the pages after an unusable key cannot be chained to it
+        try:
+            self._put_claimed(keys[:n_valid], set(mine), layout, page_ids, prefix_keys, out)
+        finally:
+            self.scopes.claims.release(mine)
+
+    def _put_claimed(self, keys, mine: set, layout, page_ids, prefix_keys, out: list[bool]) -> None:
+        todo, parent, seen, repeats = [], None, set(), []
         for i, k in enumerate(keys):
-            if not valid_key(k):
-                self.errors("put", ValueError(f"invalid page key {str(k)[:80]!r} (need a str of 1..{MAX_KEY_BYTES} UTF-8 bytes)"))
-                break  # the pages after an unusable key cannot be chained to it
-            if k in seen or self.index.contains(k):  # same key = same page bytes (chained hash)
+            if self.index.contains(k):  # same key = same page bytes (chained hash)
                 out[i] = True
                 continue
+            if k in seen:  # given twice in one call: stored with its first copy
+                repeats.append(i)
+                continue
+            if k not in mine:  # another put still holds it (it did not finish in time)
+                break
             seen.add(k)
             if not todo:
                 parent = keys[i - 1] if i > 0 else (prefix_keys[-1] if prefix_keys else None)
@@ -318,6 +364,8 @@ class PageStore:
             if not ok:
                 break
             parent = keys[part[-1]]
+        for i in repeats:
+            out[i] = self.index.contains(keys[i])
 
     def _put_round(self, keys, src_pages, layout, parent, context_tokens) -> bool:
         """Place, write and publish one round; False (nothing published) on any failure."""
@@ -335,11 +383,23 @@ class PageStore:
             self.scopes.release(plc)
             if isinstance(e, PoolFileGone):
                 self._on_pool_file_gone(plc.extent_file)
+            elif isinstance(e, OSError) and e.errno in REFUSED_ERRNOS and not isinstance(e, ShortWrite) \
+                    and plc.extent_file >= 0:
+                with self.scopes.lock:  # the file refuses writes: keep writing into the others
+                    self.scopes.take_file_out_of_service_locked(plc.extent_file)
+                self.reader.forget_file(plc.extent_file)
             self.stats.add(put_failures=1)
             return False
         with self.scopes.lock:
-            self.scopes.commit_locked(plc, entries, parent)
+            committed = self.scopes.commit_locked(plc, entries, parent)
+            if committed:
+                self.scopes.maybe_compact_journal_locked()
+            else:  # its scope was dropped or its file reset while the bytes were written
+                self.scopes.abort_locked(plc)
         self.scopes.release(plc)
+        if not committed:
+            self.stats.add(put_failures=1)
+            return False
         self.stats.add(logical_write_bytes=len(keys) * self.geometry.page_bytes)
         self.scopes.reclaim_if_needed()
         return True
@@ -354,8 +414,8 @@ class PageStore:
                 self.ssd.reset_file_locked(file_index)
             except OSError as e:
                 self.errors("pool file reset", e)
-        log.warning("flatcake: pool file %s was removed or truncated behind the backend; its scopes were dropped",
-                    self.ssd.path_of(file_index))
+        self.errors.report("write", "pool file gone", f"pool file {self.ssd.path_of(file_index)} was removed or "
+                           "truncated behind the backend; its scopes were dropped and the file recreated")
 
     # ================================================================ follower ranks
     def _sync(self) -> None:
@@ -364,14 +424,25 @@ class PageStore:
 
     # ================================================================ admin
     def clear(self) -> None:
-        """Forget every page not pinned by a reader (SGLang's ``/hicache/storage-backend/clear``):
-        each unpinned scope is retired, unpublished and its space freed; a scope a reader holds
-        stays until a later clear or reclaim. Counted as reclaimed scopes."""
-        self.scopes.clear()
+        """Forget every page (SGLang's ``/hicache/storage-backend/clear``): each scope is
+        unpublished at once; its space is freed now, or when the last reader inside it leaves.
+        Counted as reclaimed scopes. A no-op once closed. Never raises."""
+        if not self._gate.enter():
+            return
+        try:
+            self.scopes.clear()
+        except Exception as e:
+            self.errors("clear", e)
+        finally:
+            self._gate.exit()
 
     def snapshot_stats(self) -> dict:
         """Counters (:class:`~flatcake.stats.StoreStats`: bytes, pages, ops, seconds) plus
-        current usage: pages indexed, scopes, SSD bytes used, DRAM slots used, I/O errors, engine."""
+        current state (``docs/configuration.md``, "Stats"): pages indexed, scopes, SSD bytes
+        used, DRAM slots used, I/O errors (total and ``errors`` by ``op/reason``), checksum
+        failures, pages rebuilt at start-up, the I/O engine, and ``media``: per medium its
+        ``state`` (``healthy`` / ``degraded`` / ``disabled``), ``used_bytes`` and
+        ``capacity_bytes`` (SSD: also files out of service and stale pools removed)."""
         d = self.stats.snapshot()
         d.update(
             pages_indexed=len(self.index),
@@ -379,7 +450,12 @@ class PageStore:
             ssd_used_bytes=self.ssd.used_bytes,
             dram_used_slots=self.dram.n_slots - self.dram.free_slots,
             io_errors=self.errors.count,
+            errors=self.errors.counts(),
+            checksum_failures=self.errors.count_of("verify", "checksum") + self.errors.count_of("verify", "dram identity"),
+            pages_rebuilt=self.rebuilt.pages,
+            rebuild_s=self.rebuilt.seconds,
             cio_engine=getattr(self.cio, "engine_name", "?"),
+            media={"dram": self.dram.state(), "ssd": self.ssd.state()},
         )
         return d
 

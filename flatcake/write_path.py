@@ -5,13 +5,19 @@ publishes the returned entries only after this path has written the bytes.
 
 Lifecycle of one round (no lock held)::
 
-    DRAM:  gather the pages layer by layer -> copy into the reserved slots  -> PageEntry per page
+    DRAM:  gather the pages layer by layer -> copy into the reserved slots -> record each
+           slot's identity (its key)                                       -> PageEntry per page
     SSD:   [extent header, if the round opens an extent: one 4 KiB pwrite]
            gather the pages layer-major into this thread's aligned buffer -> xxh3-64 per chunk
-           -> round = header | data | record (keys, checksums) -> one aligned pwrite
+           -> pwrite 1: round header | data          (the bytes)
+           -> pwrite 2: record (identity, keys, checksums)   (only now does the round exist)
            -> PageEntry per page (GVA, layer stride, checksums)
 
-A failed write raises (``OSError``; :class:`~flatcake.media.ssd.PoolFileGone` when the pool
+The two SSD writes are ordered: a crash before the second leaves a round without a valid
+record, which a restart drops (``docs/durability.md``); the store appends the journal entry
+and publishes only after both returned.
+
+A failed write raises (``OSError``; :class:`~flatcake.media.errors.PoolFileGone` when the pool
 file vanished); the store then aborts the placement and reports a failed put.
 """
 
@@ -24,17 +30,19 @@ import torch
 import xxhash
 
 from flatcake.align import align_up
+from flatcake.config import STORAGE_BATCH_PAGES
 from flatcake.gva.address import MEDIUM_DRAM, MEDIUM_SSD, encode_gva
 from flatcake.gva.index import PageEntry
 from flatcake.gva.scopes import Placement
 from flatcake.layout import KvPageLayout, PageGeometry
 from flatcake.media import extent as fmt
 from flatcake.media.dram import DramRegion
-from flatcake.media.ssd import AlignedBuffer, SsdFilePool
+from flatcake.media.directio import AlignedBuffer
+from flatcake.media.ssd import SsdFilePool
 from flatcake.stats import StoreStats
 
-#: pages in one round at most (SGLang backs up at most 128 pages per call)
-MAX_ROUND_PAGES = 128
+#: pages in one round at most: one SGLang backup call
+MAX_ROUND_PAGES = STORAGE_BATCH_PAGES
 
 #: key length assumed when sizing the largest round a pool file can hold (SGLang keys are 64 hex chars)
 _SIZING_KEY = "k" * 80
@@ -81,8 +89,9 @@ class WritePath:
             One :class:`PageEntry` per page, in ``plc.keys`` order, for the scope table to publish.
 
         Raises:
-            OSError: an SSD write failed (``PoolFileGone`` when the pool file was removed or
-                truncated behind the backend).
+            OSError: an SSD write failed (``PoolFileGone``: the pool file was removed or
+                truncated; ``StaleGeneration``: it was reset since the placement; ``ShortWrite``:
+                a write stopped short).
             IndexError, RuntimeError: source pages outside ``layout`` (a caller bug).
         """
         if plc.medium == MEDIUM_DRAM:
@@ -99,6 +108,7 @@ class WritePath:
         for layer in range(g.layers):
             layout.gather_chunks(src, layer, tmp[:, layer])
         self.dram.slots[torch.tensor(plc.slots, dtype=torch.long)] = tmp.view(n, -1).to("cpu")
+        self.dram.set_identity(plc.slots, plc.keys)
         self.stats.add(dram_write_bytes=n * g.page_bytes, pages_written_dram=n)
         return [PageEntry(encode_gva(MEDIUM_DRAM, self.node, s * g.page_bytes), plc.scope, g.chunk_bytes)
                 for s in plc.slots]
@@ -115,7 +125,7 @@ class WritePath:
         ext = plc.new_extent
         view = self._scratch(fmt.BLOCK)  # this thread's write buffer; the round reuses it after
         view[:] = fmt.pack_extent_header(self.namespace, self.node, plc.scope.scope_id, plc.extent_seq, ext.nbytes)
-        self.ssd.write(ext.file_index, ext.offset, view[: fmt.BLOCK])
+        self.ssd.write(ext.file_index, ext.offset, view[: fmt.BLOCK], plc.generation)
         self.stats.add(ssd_write_bytes=fmt.BLOCK, ssd_write_ops=1)
 
     def _gather_layer_major(self, plc: Placement, layout: KvPageLayout, arr: np.ndarray) -> None:
@@ -145,7 +155,7 @@ class WritePath:
         return sums
 
     def _write_ssd(self, plc: Placement, layout: KvPageLayout) -> list[PageEntry]:
-        """Write the round as one aligned pwrite: header | layer-major data | record."""
+        """Write the round: header | layer-major data in one aligned pwrite, then its record."""
         g = self.geometry
         lay = plc.layout
         n = lay.n_pages
@@ -154,20 +164,23 @@ class WritePath:
             self._write_extent_header(plc)
         view = self._scratch(lay.total_bytes)
         arr = np.frombuffer(view, dtype=np.uint8, count=lay.total_bytes)
-        view[: fmt.BLOCK] = fmt.pack_round_header(lay, plc.seq, plc.scope.scope_id)
+        view[: fmt.BLOCK] = fmt.pack_round_header(lay, plc.seq, plc.scope.scope_id, plc.nonce)
         data_end = fmt.BLOCK + n * g.layers * cb
         self._gather_layer_major(plc, layout, arr[fmt.BLOCK: data_end])
         sums = self._checksums(view, fmt.BLOCK, n)
         arr[data_end: lay.record_offset] = 0
-        rec = fmt.pack_record(self.namespace, plc.keys, g.layers, cb, sums)
+        rec = fmt.pack_record(self.namespace, plc.keys, g.layers, cb, sums, plc.scope.scope_id, plc.seq, plc.nonce)
         arr[lay.record_offset: lay.record_offset + len(rec)] = np.frombuffer(rec, dtype=np.uint8)
         arr[lay.record_offset + len(rec): lay.total_bytes] = 0
-        self.ssd.write(plc.extent_file, plc.round_offset, view[: lay.total_bytes])
-        self.stats.add(ssd_write_bytes=lay.total_bytes, ssd_write_ops=1, pages_written_ssd=n)
+        self.ssd.write(plc.extent_file, plc.round_offset, view[: lay.record_offset], plc.generation)  # the bytes first
+        self.ssd.write(plc.extent_file, plc.round_offset + lay.record_offset, view[lay.record_offset: lay.total_bytes],
+                       plc.generation)
+        self.stats.add(ssd_write_bytes=lay.total_bytes, ssd_write_ops=2, pages_written_ssd=n)
         stride = n * cb
         base_off = plc.extent_file * self.ssd.file_bytes + plc.round_offset + fmt.BLOCK
         return [
-            PageEntry(encode_gva(MEDIUM_SSD, self.node, base_off + p * cb), plc.scope, stride, sums[:, p].copy())
+            PageEntry(encode_gva(MEDIUM_SSD, self.node, base_off + p * cb), plc.scope, stride, sums[:, p].copy(),
+                      generation=plc.generation)
             for p in range(n)
         ]
 

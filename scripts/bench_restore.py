@@ -52,13 +52,12 @@ import xxhash  # noqa: E402
 
 from flatcake.adapter.host_pool import MHAHostPoolDouble  # noqa: E402
 from flatcake.align import align_up  # noqa: E402
-from flatcake.cio.staging import aligned_host_buffer  # noqa: E402
-from flatcake.config import FLATCAKE_EXTRA  # noqa: E402
+from flatcake.media.directio import aligned_host_buffer  # noqa: E402
+from flatcake.config import FLATCAKE_EXTRA, STORAGE_BATCH_PAGES  # noqa: E402
 from flatcake.layout import SUPPORTED_LAYOUTS  # noqa: E402
-from flatcake.media.ssd import drop_page_cache  # noqa: E402
+from flatcake.media.directio import drop_page_cache  # noqa: E402
 from flatcake.replay.systems import storage_config  # noqa: E402
 
-ROUND_PAGES = 128  # SGLang backs up / prefetches at most 128 pages per call
 SYSTEMS = ("flatcake", "hicache_file", "scattered", "sequential")
 
 #: Model profiles: (layers, kv_heads, head_dim, dtype bytes). KV per token per layer = 2*H*D*bytes.
@@ -112,7 +111,7 @@ class Bench:
         self.keys = [f"{random.Random(args.seed).getrandbits(64):016x}-{i:06d}" for i in range(self.pages)]
         self.dir = args.dir or tempfile.mkdtemp(prefix="fc-bench-", dir="/tmp")
         os.makedirs(self.dir, exist_ok=True)
-        self.rounds = -(-self.pages // ROUND_PAGES)
+        self.rounds = -(-self.pages // STORAGE_BATCH_PAGES)
         # random KV bytes (tile a 16 MiB random block: cheap and incompressible enough)
         rng = np.random.default_rng(args.seed)
         block = torch.from_numpy(rng.integers(0, 256, 16 << 20, dtype=np.uint8))
@@ -143,8 +142,8 @@ class Bench:
         }
         be = StorageBackendFactory.create_backend("dynamic", storage_config(extra, model="bench/model", layout=self.args.layout), None)
         be.register_mem_pool_host(self.pool)
-        for a in range(0, self.pages, ROUND_PAGES):
-            b = min(self.pages, a + ROUND_PAGES)
+        for a in range(0, self.pages, STORAGE_BATCH_PAGES):
+            b = min(self.pages, a + STORAGE_BATCH_PAGES)
             ok = be.batch_set_v1(self.keys[a:b], self.indices(a, b))
             assert all(ok), f"flatcake batch_set_v1 failed at page {a}"
         st = be.flatcake_stats()
@@ -157,8 +156,8 @@ class Bench:
 
         d = os.path.join(self.dir, "hicache_file")
         be = StorageBackendFactory.create_backend("file", storage_config({"file_storage_path": d}, model="bench/model", layout=self.args.layout), None)
-        for a in range(0, self.pages, ROUND_PAGES):
-            b = min(self.pages, a + ROUND_PAGES)
+        for a in range(0, self.pages, STORAGE_BATCH_PAGES):
+            b = min(self.pages, a + STORAGE_BATCH_PAGES)
             vals = [self.pool.get_data_page(i * self.P, flat=True) for i in range(a, b)]
             assert be.batch_set(self.keys[a:b], vals), "HiCacheFile batch_set failed"
         self.hf = be
@@ -193,8 +192,8 @@ class Bench:
     # ------------------------------------------------------------------ reads
     def read_flatcake(self) -> int:
         before = self.fc.flatcake_stats()
-        for a in range(0, self.pages, ROUND_PAGES):
-            b = min(self.pages, a + ROUND_PAGES)
+        for a in range(0, self.pages, STORAGE_BATCH_PAGES):
+            b = min(self.pages, a + STORAGE_BATCH_PAGES)
             ok = self.fc.batch_get_v1(self.keys[a:b], self.indices(a, b))
             assert all(ok), f"flatcake batch_get_v1 missed from page {a + ok.index(False)}"
         after = self.fc.flatcake_stats()
@@ -205,8 +204,8 @@ class Bench:
         return after["merged_reads"] - before["merged_reads"]
 
     def read_hicache_file(self) -> int:
-        for a in range(0, self.pages, ROUND_PAGES):
-            b = min(self.pages, a + ROUND_PAGES)
+        for a in range(0, self.pages, STORAGE_BATCH_PAGES):
+            b = min(self.pages, a + STORAGE_BATCH_PAGES)
             dummies = [self.pool.get_dummy_flat_data_page() for _ in range(a, b)]
             got = self.hf.batch_get(self.keys[a:b], dummies)
             for i, t in zip(range(a, b), got):

@@ -44,11 +44,11 @@ import torch  # noqa: E402
 
 from flatcake.cio import ChunkBatch, RestoreEngine  # noqa: E402
 from flatcake.cio.plan import batch_reads, plan_reads  # noqa: E402
-from flatcake.cio.staging import aligned_host_buffer  # noqa: E402
+from flatcake.media.directio import aligned_host_buffer  # noqa: E402
 from flatcake.config import CioConfig  # noqa: E402
 from flatcake.kernels.scatter import scatter_chunks  # noqa: E402
 from flatcake.layout import KvPageLayout  # noqa: E402
-from flatcake.media.ssd import drop_page_cache  # noqa: E402
+from flatcake.media.directio import drop_page_cache  # noqa: E402
 
 GB = 1e9
 

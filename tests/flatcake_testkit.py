@@ -82,3 +82,12 @@ def put_pages(store, pool, lay, keys, pages, prefix=None):
     for k, p in zip(keys, pages):
         fill_page(pool, p * pool.page_size, k)
     return store.put(keys, lay, pages, prefix)
+
+
+def two_requests_share(query, keys) -> None:
+    """Two requests whose prompts share ``keys`` and then differ ask for them before they are
+    written (``query(keys_of_request)`` is the hit query: ``be.batch_exists``,
+    ``store.leading_run``, ...): the prefix reference count of ``keys`` becomes 2, a shared
+    prompt. (The same request's query re-issued would count once.)"""
+    for req in ("req-a", "req-b"):
+        query(list(keys) + [f"{keys[-1]}+{req}"])

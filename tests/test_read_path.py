@@ -3,7 +3,7 @@ entries in, pages out, bit for bit, or a miss from the first page that failed.""
 
 import numpy as np
 import torch
-from flatcake_testkit import make_store, page_matches, put_pages
+from flatcake_testkit import make_store, page_matches, put_pages, two_requests_share
 
 from flatcake.gva.address import OFFSET_MASK
 from flatcake.media import extent as fmt
@@ -21,7 +21,7 @@ def test_ssd_pages_are_restored_bit_exact_into_other_slots(ssd_dir):
     assert put_pages(store, pool, lay, keys, range(5)) == [True] * 5
     entries = pinned(store, keys)
     try:
-        assert store.reader.read(entries, lay, [20, 21, 22, 23, 24]) == 5
+        assert store.reader.read(keys, entries, lay, [20, 21, 22, 23, 24]) == 5
     finally:
         store.scopes.unpin(entries)
     assert all(page_matches(pool, (20 + i) * pool.page_size, k) for i, k in enumerate(keys))
@@ -50,15 +50,14 @@ def test_the_chunk_batch_is_layer_major_with_each_pages_checksums(ssd_dir):
 def test_dram_and_ssd_pages_in_one_call_each_come_from_their_medium(ssd_dir):
     store, pool, lay = make_store(ssd_dir, **{"dram.capacity_bytes": 1 << 20})
     shared = ["d0", "d1"]
-    for _ in range(2):
-        store.leading_run(shared)
+    two_requests_share(store.leading_run, shared)
     put_pages(store, pool, lay, shared, [0, 1])
     put_pages(store, pool, lay, ["s2", "s3"], [2, 3], prefix=None)
     assert [store.medium_of(k) for k in ("d0", "s2")] == ["dram", "ssd"]
     keys = ["s2", "d0", "s3", "d1"]
     entries = pinned(store, keys)
     try:
-        assert store.reader.read(entries, lay, [30, 31, 32, 33]) == 4
+        assert store.reader.read(keys, entries, lay, [30, 31, 32, 33]) == 4
     finally:
         store.scopes.unpin(entries)
     assert all(page_matches(pool, (30 + i) * pool.page_size, k) for i, k in enumerate(keys))
@@ -81,7 +80,7 @@ def test_a_corrupted_chunk_stops_the_read_there_and_later_pages_are_not_delivere
     pool.kv_buffer.view(torch.uint8).fill_(0x5A)
     entries = pinned(store, keys)
     try:
-        assert store.reader.read(entries, lay, [10, 11, 12]) == 1
+        assert store.reader.read(keys, entries, lay, [10, 11, 12]) == 1
     finally:
         store.scopes.unpin(entries)
     assert page_matches(pool, 10 * pool.page_size, "k0")

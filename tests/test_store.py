@@ -61,3 +61,17 @@ def test_the_core_runs_without_sglang(tmp_path):
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("OK"), proc.stderr[-2000:]
+
+
+def test_unusable_arguments_are_misses_and_never_leak_the_close_gate(ssd_dir):
+    store, pool, lay = make_store(ssd_dir)
+    assert store.put(None, lay, []) == [] and store.get(None, lay, []) == []
+    assert store.leading_run([["unhashable"]]) == 0 and store.exists(["x"]) is False
+    assert store.page_info({}) is None
+    assert store.put(["ok"], lay, [0]) == [True]
+    t = __import__("time").perf_counter()
+    store.close(timeout_s=5)
+    assert __import__("time").perf_counter() - t < 2  # nothing was left inside the gate
+    store.clear()  # after close: a no-op, no error
+    again, _, _ = make_store(ssd_dir)  # the pool lock was released
+    again.close()

@@ -7,12 +7,12 @@ import numpy as np
 import pytest
 import torch
 import xxhash
-from flatcake_testkit import fill_page, make_store
+from flatcake_testkit import fill_page, make_store, two_requests_share
 
 from flatcake.gva.address import MEDIUM_DRAM, MEDIUM_SSD, decode_gva
 from flatcake.layout import PageGeometry
 from flatcake.media import extent as fmt
-from flatcake.media.ssd import PoolFileGone
+from flatcake.media.errors import PoolFileGone
 from flatcake.write_path import MAX_ROUND_PAGES, max_round_pages
 
 
@@ -43,10 +43,12 @@ def test_ssd_round_is_extent_header_then_header_layer_major_data_and_record(ssd_
     eh = fmt.unpack_extent_header(raw[ext.offset: ext.offset + fmt.BLOCK])
     assert (eh.namespace, eh.scope_id, eh.extent_seq) == (store.namespace, plc.scope.scope_id, 0)
     rnd = raw[plc.round_offset: plc.round_offset + plc.layout.total_bytes]
-    rl, seq, sid = fmt.unpack_round_header(rnd[: fmt.BLOCK])
-    assert (rl.n_pages, rl.layers, rl.chunk_bytes, seq, sid) == (3, g.layers, g.chunk_bytes, 0, plc.scope.scope_id)
+    hdr = fmt.unpack_round_header(rnd[: fmt.BLOCK])
+    rl = hdr.layout
+    assert (rl.n_pages, rl.layers, rl.chunk_bytes, hdr.seq, hdr.scope_id, hdr.nonce) == (
+        3, g.layers, g.chunk_bytes, 0, plc.scope.scope_id, plc.nonce)
     rec = fmt.unpack_record(rnd[rl.record_offset:])
-    assert rec.keys == tuple(keys)
+    assert rec.keys == tuple(keys) and rec.matches(hdr)
     for p in range(3):
         for layer in range(g.layers):
             o = rl.chunk_offset(p, layer)
@@ -57,7 +59,8 @@ def test_ssd_round_is_extent_header_then_header_layer_major_data_and_record(ssd_
         assert (f.medium, f.offset) == (MEDIUM_SSD, ext.file_index * store.ssd.file_bytes + plc.round_offset + fmt.BLOCK + p * g.chunk_bytes)
         assert e.layer_stride == 3 * g.chunk_bytes and np.array_equal(e.checksums, rec.checksums[:, p])
     st = store.stats.snapshot()
-    assert (st["ssd_write_ops"], st["ssd_write_bytes"], st["pages_written_ssd"]) == (2, fmt.BLOCK + rl.total_bytes, 3)
+    # extent header, then header + data, then the record: three ordered writes
+    assert (st["ssd_write_ops"], st["ssd_write_bytes"], st["pages_written_ssd"]) == (3, fmt.BLOCK + rl.total_bytes, 3)
     store.close()
 
 
@@ -65,8 +68,7 @@ def test_dram_round_lands_page_major_in_its_slots(ssd_dir):
     store, pool, lay = make_store(ssd_dir, **{"dram.capacity_bytes": 1 << 20})
     g = store.geometry
     keys = ["d0", "d1"]
-    for _ in range(2):
-        store.leading_run(keys)  # a shared prompt: DRAM
+    two_requests_share(store.leading_run, keys)  # a shared prompt: DRAM
     for i, k in enumerate(keys):
         fill_page(pool, (3 + i) * pool.page_size, k)
     plc = place(store, keys, [3, 4])

@@ -27,8 +27,9 @@ import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
 
 from flatcake.config import FlatCakeConfig, config_from_extra
+from flatcake.errorlog import ErrorLog
 from flatcake.layout import KvPageLayout, UnsupportedLayoutError
-from flatcake.media.ssd import ensure_pool_dir
+from flatcake.media.pool_dir import ensure_pool_dir
 from flatcake.store import PageStore
 
 log = logging.getLogger("flatcake")
@@ -72,7 +73,7 @@ class FlatCakeStorage(HiCacheStorage):
 
     Raises:
         flatcake.config.ConfigError: unknown key or bad value (message names the field).
-        flatcake.media.ssd.SsdStartupError: ``ssd.path`` cannot be created or written.
+        flatcake.media.errors.SsdStartupError: ``ssd.path`` cannot be created or written.
     """
 
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Optional[dict] = None):
@@ -89,7 +90,7 @@ class FlatCakeStorage(HiCacheStorage):
         self._backup_pgs: list = []
         self._prefetch_bw: list = []
         self._backup_bw: list = []
-        self._unready_logged = False
+        self.errors = ErrorLog(log)  # the store's once it is open
 
     # ------------------------------------------------------------------ registration
     def register_mem_pool_host(self, mem_pool_host) -> None:
@@ -115,6 +116,7 @@ class FlatCakeStorage(HiCacheStorage):
             # attention-DP replicas share namespace and ranks but not pool files
             instance = f"dp{getattr(sc, 'dp_rank', 0) if sc else 0}"
             self.store = PageStore(self.cfg, layout.geometry, self.namespace, instance=instance, role=role)
+            self.errors = self.store.errors
         log.info("flatcake: namespace %s: %s", self.namespace, self.store.describe())
 
     def _closed(self) -> bool:
@@ -123,9 +125,7 @@ class FlatCakeStorage(HiCacheStorage):
     def _ready(self) -> bool:
         if self.store is not None:
             return True
-        if not self._unready_logged:
-            self._unready_logged = True
-            log.error("flatcake: called before register_mem_pool_host; every call is a miss")
+        self.errors.report("call", "not registered", "called before register_mem_pool_host; every call is a miss")
         return False
 
     def _v1_page_ids(self, keys: List[str], host_indices: torch.Tensor) -> Optional[list]:
@@ -146,7 +146,7 @@ class FlatCakeStorage(HiCacheStorage):
             starts = pages[:, 0]
             ok = bool((starts % ps == 0).all()) and bool((pages == starts[:, None] + torch.arange(ps, dtype=hi.dtype)).all())
         if not ok:
-            self.store.errors("host_indices", ValueError(f"host_indices must be {n} whole page-aligned pages of {ps} slots"))
+            self.errors("host_indices", ValueError(f"host_indices must be {n} whole page-aligned pages of {ps} slots"))
             return None
         return (starts // ps).tolist()
 
@@ -156,7 +156,7 @@ class FlatCakeStorage(HiCacheStorage):
         try:
             return self._ready() and self.store.exists(key)
         except Exception as e:  # pragma: no cover - defensive
-            self.store.errors("exists", e) if self.store else None
+            self.errors("exists", e)
             return False
 
     def batch_exists(self, keys: List[str], extra_info: Optional[HiCacheStorageExtraInfo] = None) -> int:
@@ -166,7 +166,7 @@ class FlatCakeStorage(HiCacheStorage):
                 return 0
             return self.store.leading_run(keys, _prefix(extra_info))
         except Exception as e:
-            self.store.errors("batch_exists", e)
+            self.errors("batch_exists", e)
             return 0
 
     # ------------------------------------------------------------------ zero-copy (interface_v1)
@@ -183,7 +183,7 @@ class FlatCakeStorage(HiCacheStorage):
             self._note_metric(self._prefetch_pgs, self._prefetch_bw, sum(out), t0)
             return out
         except Exception as e:
-            self.store.errors("batch_get_v1", e)
+            self.errors("batch_get_v1", e)
             return [False] * len(keys)
 
     def batch_set_v1(self, keys: List[str], host_indices: torch.Tensor, extra_info: Optional[HiCacheStorageExtraInfo] = None) -> List[bool]:
@@ -200,7 +200,7 @@ class FlatCakeStorage(HiCacheStorage):
             self._note_metric(self._backup_pgs, self._backup_bw, sum(out), t0)
             return out
         except Exception as e:
-            self.store.errors("batch_set_v1", e)
+            self.errors("batch_set_v1", e)
             return [False] * len(keys)
 
     # ------------------------------------------------------------------ generic path (flat pages)
@@ -225,7 +225,7 @@ class FlatCakeStorage(HiCacheStorage):
                 out.append(target_locations[i])
             return out
         except Exception as e:
-            self.store.errors("batch_get", e)
+            self.errors("batch_get", e)
             return [None] * len(keys)
 
     def batch_set(self, keys: List[str], values: Optional[Any] = None, target_locations: Optional[Any] = None, target_sizes: Optional[Any] = None) -> bool:
@@ -240,7 +240,7 @@ class FlatCakeStorage(HiCacheStorage):
             lay = KvPageLayout.from_flat_pages(flat, self.mem_pool_host)
             return all(self.store.put(keys, lay, list(range(len(keys))), None))
         except Exception as e:
-            self.store.errors("batch_set", e)
+            self.errors("batch_set", e)
             return False
 
     def get(self, key: str, target_location: Optional[Any] = None, target_sizes: Optional[Any] = None) -> Optional[torch.Tensor]:
@@ -258,7 +258,7 @@ class FlatCakeStorage(HiCacheStorage):
             if self.store is not None:
                 self.store.clear()
         except Exception as e:
-            self.store.errors("clear", e)
+            self.errors("clear", e)
 
     def close(self) -> None:
         """Release files, staging buffers and pinned memory."""

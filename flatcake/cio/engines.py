@@ -27,7 +27,7 @@ import threading
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
-from flatcake.align import ALIGN
+from flatcake.align import ALIGN, align_up
 from flatcake.cio.staging import StagingBuffer
 from flatcake.errorlog import ErrorLog, reason_of
 
@@ -107,7 +107,7 @@ class PendingIo:
         self.on_piece = on_piece
         self.callback_errors: list[BaseException] = []
 
-    def _run_callback(self, i: int) -> None:
+    def run_callback(self, i: int) -> None:
         """Run ``on_piece(i, result)``; an exception is kept for :meth:`wait`'s caller."""
         if self.on_piece is None:
             return
@@ -115,6 +115,11 @@ class PendingIo:
             self.on_piece(i, self.results[i])
         except BaseException as e:  # noqa: BLE001 - surfaced by the restore, never lost
             self.callback_errors.append(e)
+
+    def piece_done(self, i: int) -> None:
+        """Engine side: piece ``i`` ended (its result is set): run its callback, count it down."""
+        self.run_callback(i)
+        self._latch.count_down()
 
     def wait(self) -> list[PieceResult]:
         """Block until every piece finished (and its ``on_piece`` callback ran); returns the
@@ -139,8 +144,7 @@ def split_pieces(file_index: int, offset: int, nbytes: int, buf_offset: int, wor
     ``task_size`` does. Returns one piece when the read is small.
     """
     n = max(1, min(workers, nbytes // MIN_PIECE_BYTES))
-    step = -(-nbytes // n)
-    step = -(-step // ALIGN) * ALIGN
+    step = align_up(-(-nbytes // n))
     out, done = [], 0
     while done < nbytes:
         k = min(step, nbytes - done)
@@ -289,8 +293,7 @@ class PosixEngine(IoEngine):
                 pending.results[i] = PieceResult(0, reason_of(e))
                 self._errors.report("read", reason_of(e), repr(e))
             finally:
-                pending._run_callback(i)  # verify + scatter what this piece carries, here
-                pending._latch.count_down()
+                pending.piece_done(i)  # verify + scatter what this piece carries, here
         for fi in list(self._fds[w]):
             self._drop(w, fi)
 

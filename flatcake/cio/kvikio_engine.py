@@ -38,6 +38,8 @@ class KvikioEngine(IoEngine):
         path_of: maps a file index to its path.
         workers: handle sets (one ``CuFile`` per file per worker); also kvikio's thread count.
         errors: shared :class:`ErrorLog`.
+        direct_io: the SSD pool's O_DIRECT probe result (reported as :attr:`direct_io`; kvikio
+            itself chooses GDS or its POSIX compatibility path).
 
     Raises:
         EngineUnavailableError: ``kvikio`` cannot be imported.
@@ -45,7 +47,7 @@ class KvikioEngine(IoEngine):
 
     name = "kvikio"
 
-    def __init__(self, path_of: Callable[[int], str], workers: int, *, errors: ErrorLog):
+    def __init__(self, path_of: Callable[[int], str], workers: int, *, errors: ErrorLog, direct_io: bool = True):
         try:
             import kvikio  # noqa: F401
             import kvikio.defaults
@@ -58,11 +60,12 @@ class KvikioEngine(IoEngine):
         self._rr = itertools.count()
         self._lock = threading.Lock()
         self._handles: list[dict[int, object]] = [{} for _ in range(workers)]
+        self._retired: list[object] = []  # handles forgotten while reads may still use them
         try:
             kvikio.defaults.set("num_threads", max(int(kvikio.defaults.get("num_threads")), workers))
         except Exception as e:  # noqa: BLE001 - older kvikio: keep its default
             log.info("kvikio num_threads not set (%s)", e)
-        self.direct_io = True
+        self.direct_io = bool(direct_io)
 
     def _handle(self, w: int, file_index: int):
         with self._lock:
@@ -113,26 +116,30 @@ class KvikioEngine(IoEngine):
                 err = "EOF"  # logged by the restore only if a chunk misses bytes
             pending.results[i] = PieceResult(min(got, p.nbytes), err)
         for i in range(len(pieces)):
-            pending._run_callback(i)
+            pending.run_callback(i)
 
     def forget_file(self, file_index: int) -> None:
-        """Close every worker's ``CuFile`` of ``file_index``."""
+        """Stop using every worker's ``CuFile`` of ``file_index``: the next read opens the path
+        again. The old handles are closed at :meth:`close` (a restore may still have reads in
+        flight on them; a removed file's handles are few)."""
         with self._lock:
             for hs in self._handles:
                 h = hs.pop(file_index, None)
                 if h is not None:
-                    h.close()
+                    self._retired.append(h)
 
     def close(self) -> None:
         """Close all ``CuFile`` handles."""
         with self._lock:
+            handles = [h for hs in self._handles for h in hs.values()] + self._retired
             for hs in self._handles:
-                for h in hs.values():
-                    try:
-                        h.close()
-                    except Exception:  # noqa: BLE001
-                        pass
                 hs.clear()
+            self._retired = []
+        for h in handles:
+            try:
+                h.close()
+            except Exception:  # noqa: BLE001
+                pass
 
 
 # ------------------------------------------------------------------------------- probes

@@ -48,7 +48,7 @@ from flatcake.cio.engines import IoEngine, PosixEngine
 from flatcake.cio.kvikio_engine import EngineUnavailableError, KvikioEngine, select_engine
 from flatcake.cio.plan import ChunkBatch, MergedRead, batch_reads, plan_reads
 from flatcake.cio.staging import StagingPool, StagingWindow
-from flatcake.config import CioConfig
+from flatcake.config import STORAGE_BATCH_PAGES, CioConfig
 from flatcake.errorlog import ErrorLog
 from flatcake.kernels.scatter import resolve_impl, scatter_chunks
 
@@ -147,7 +147,7 @@ class RestoreEngine:
         *,
         direct_io: bool,
         chunk_bytes: int,
-        max_pages_per_restore: int = 128,
+        max_pages_per_restore: int = STORAGE_BATCH_PAGES,
         device: str = "cpu",
         errors: Optional[ErrorLog] = None,
     ):
@@ -171,7 +171,7 @@ class RestoreEngine:
         self.errors = errors if errors is not None else ErrorLog(log)
         self._engine: IoEngine
         if self.engine_name == "kvikio":
-            self._engine = KvikioEngine(path_of, cfg.io_workers, errors=self.errors)
+            self._engine = KvikioEngine(path_of, cfg.io_workers, errors=self.errors, direct_io=direct_io)
         else:
             self._engine = PosixEngine(path_of, cfg.io_workers, direct_io=direct_io, errors=self.errors)
         try:

@@ -28,30 +28,10 @@ from typing import Optional
 import numpy as np
 import torch
 
-from flatcake.align import ALIGN
+from flatcake.align import ALIGN, align_up
+from flatcake.media.directio import aligned_host_buffer
 
 log = logging.getLogger(__name__)
-
-
-def aligned_host_buffer(nbytes: int) -> tuple[torch.Tensor, np.ndarray, mmap.mmap]:
-    """Page-aligned host buffer of ``nbytes`` bytes (anonymous ``mmap``, zero-filled).
-
-    Returns:
-        ``(tensor, array, mapping)``: a uint8 CPU tensor ``[nbytes]`` and a uint8 numpy array
-        ``[nbytes]`` sharing the mapping's memory (address ≡ 0 mod 4096); keep ``mapping``
-        alive as long as either view is used.
-
-    Raises:
-        ValueError: ``nbytes`` not a positive multiple of 4096.
-    """
-    if nbytes <= 0 or nbytes % ALIGN:
-        raise ValueError(f"staging buffer size must be a positive multiple of {ALIGN}, got {nbytes}")
-    m = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    arr = np.frombuffer(m, dtype=np.uint8)
-    t = torch.from_numpy(arr)
-    if t.data_ptr() % ALIGN:
-        raise RuntimeError("mmap returned a buffer that is not 4 KiB aligned")
-    return t, arr, m
 
 
 @dataclass
@@ -148,7 +128,7 @@ class StagingPool:
             t, arr, m = aligned_host_buffer(n)
             return StagingBuffer(t, arr, n, m)
         raw = torch.empty(n + ALIGN, dtype=torch.uint8, device=self.device)
-        skip = (-raw.data_ptr()) % ALIGN
+        skip = align_up(raw.data_ptr()) - raw.data_ptr()
         t = raw[skip : skip + n]
         try:  # register with cuFile (GDS); compat mode makes this a no-op
             import kvikio

@@ -26,7 +26,7 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Iterable, Optional
+from typing import Iterable, Optional, Sequence
 
 import numpy as np
 
@@ -48,14 +48,17 @@ class SessionScope:
         tail_key: the last key of the session's chain (the next round joins here), or None.
         tail_offset: SSD: next free byte inside ``extents[-1]``.
         round_seq: SSD: sequence number of the next round.
+        rounds: SSD: the journal entries of its published rounds (for journal compaction).
         nbytes: bytes of medium held.
+        doomed: cleared or dropped while a reader pinned it: unpublished already, freed when
+            its last pin goes (:meth:`~flatcake.gva.scopes.ScopeTable.unpin`).
         last_used_s: ``time.monotonic()`` of the last read or write (reclaim picks the oldest).
     """
 
     __slots__ = (
         "scope_id", "medium", "reuse", "turn", "prev_turn_tokens", "cur_turn_tokens", "keys",
-        "extents", "slots", "tail_key", "tail_offset", "round_seq", "nbytes",
-        "last_used_s", "_refs", "_lock", "retired",
+        "extents", "slots", "tail_key", "tail_offset", "round_seq", "rounds", "nbytes",
+        "last_used_s", "_refs", "_lock", "retired", "doomed",
     )
 
     def __init__(self, scope_id: int, medium: int, reuse: ReuseScope, turn: int = 1, prev_turn_tokens: Optional[int] = None):
@@ -71,11 +74,13 @@ class SessionScope:
         self.tail_key: Optional[str] = None
         self.tail_offset = 0  # SSD: next free byte inside extents[-1]
         self.round_seq = 0
+        self.rounds: list = []
         self.nbytes = 0
         self.last_used_s = time.monotonic()
         self._refs = 0
         self._lock = threading.Lock()
         self.retired = False
+        self.doomed = False
 
     def try_acquire(self) -> bool:
         """Pin the scope for reading/writing. False if it was retired (treat as a miss)."""
@@ -126,12 +131,19 @@ class PageEntry:
         layer_stride: bytes from layer ``l``'s chunk to layer ``l+1``'s (SSD: round pages ×
             chunk bytes; DRAM: chunk bytes).
         checksums: uint64 ``[layers]`` xxh3-64 of each chunk (SSD), or ``None`` (DRAM).
+        verify: always check the checksums on read, whatever ``cio.verify_checksums`` says
+            (pages rebuilt at start-up, whose bytes this process did not write).
+        generation: SSD: the generation of the pool file the page was written under; a read
+            after the file was reset (removed or truncated behind the backend, taken out of
+            service) is a miss, whatever its bytes.
     """
 
     gva: int
     scope: SessionScope
     layer_stride: int
     checksums: Optional[np.ndarray] = None
+    verify: bool = False
+    generation: int = 0
 
 
 class GvaIndex:
@@ -161,11 +173,19 @@ class GvaIndex:
         return len(self._map)
 
     # writers --------------------------------------------------------------
-    def open_scope_locked(self, medium: int, reuse: ReuseScope, turn: int = 1, prev_turn_tokens: Optional[int] = None) -> SessionScope:
-        s = SessionScope(self._next_scope, medium, reuse, turn, prev_turn_tokens)
-        self._next_scope += 1
+    def open_scope_locked(self, medium: int, reuse: ReuseScope, turn: int = 1, prev_turn_tokens: Optional[int] = None,
+                          scope_id: Optional[int] = None) -> SessionScope:
+        """Add a new scope to the table. ``scope_id`` reuses an id written on disk (restart
+        rebuild); new ids are always above every id used so far."""
+        sid = self._next_scope if scope_id is None else scope_id
+        s = SessionScope(sid, medium, reuse, turn, prev_turn_tokens)
+        self._next_scope = max(self._next_scope, sid + 1)
         self.scopes[s.scope_id] = s
         return s
+
+    def reserve_scope_ids_locked(self, above: int) -> None:
+        """New scope ids start above ``above`` (ids found in the pool journal)."""
+        self._next_scope = max(self._next_scope, above + 1)
 
     def publish_locked(self, keys: Iterable[str], entries: Iterable[PageEntry]) -> None:
         """Make entries visible. Call only after their bytes are written."""
@@ -203,34 +223,40 @@ class GvaIndex:
         return sorted((s for s in self.scopes.values() if s.medium == medium), key=lambda s: (s.last_used_s, s.scope_id))
 
 
+class KeyClaims:
+    """Keys a put is writing now, so that two puts of the same new keys write them once.
 
-class InterestCounter:
-    """How many hit queries asked for a key that was not stored yet (bounded FIFO map).
+    A put claims its new keys before placing them (:meth:`claim`) and releases them once they
+    are published or the put failed (:meth:`release`); a put that finds keys claimed by another
+    waits for that put first. Thread-safe; never held across I/O by the claimer's waiters.
 
-    A page that several requests wanted before it was written has prefix reference count > 1
-    (a shared prompt, Table 2). At most ``per_query`` keys are counted per query and at most
-    ``capacity`` keys are remembered.
+    Args:
+        index: the index whose published keys need no claim.
     """
 
-    def __init__(self, capacity: int = 1 << 20, per_query: int = 256):
-        self.capacity = capacity
-        self.per_query = per_query
-        self._m: "OrderedDict[str, int]" = OrderedDict()
+    def __init__(self, index: GvaIndex):
+        self.index = index
+        self._claims: dict[str, threading.Event] = {}
         self._lock = threading.Lock()
 
-    def note_missing(self, keys: list[str]) -> None:
-        with self._lock:
-            for k in keys[: self.per_query]:
-                self._m[k] = self._m.get(k, 0) + 1
-            while len(self._m) > self.capacity:
-                self._m.popitem(last=False)
+    def claim(self, keys: Sequence[str], wait_s: float = 60.0) -> list[str]:
+        """Claim the keys of ``keys`` that are neither published nor claimed by another put,
+        after waiting (up to ``wait_s`` seconds, then going ahead) for the puts that hold some
+        of them. Returns the claimed keys, in order, each once."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            with self._lock:
+                busy = [self._claims[k] for k in keys if k in self._claims]
+                if not busy or time.monotonic() >= deadline:
+                    mine = [k for k in dict.fromkeys(keys) if not self.index.contains(k) and k not in self._claims]
+                    for k in mine:
+                        self._claims[k] = threading.Event()
+                    return mine
+            busy[0].wait(max(0.0, deadline - time.monotonic()))
 
-    def take(self, keys: list[str]) -> int:
-        """Largest count over ``keys`` (forgetting them); at least 1 (the writer)."""
-        best = 1
+    def release(self, keys: Sequence[str]) -> None:
+        """End this put's claim on ``keys`` (written or not) and wake the puts waiting for them."""
         with self._lock:
-            for k in keys:
-                c = self._m.pop(k, 0)
-                if c > best:
-                    best = c
-        return best
+            events = [self._claims.pop(k) for k in keys if k in self._claims]
+        for ev in events:
+            ev.set()

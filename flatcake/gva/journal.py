@@ -1,22 +1,30 @@
-"""Scope journal: how TP ranks that do not write (MLA) learn the writer's published rounds.
+"""Pool journal: where every published SSD round lives, for restarts and for follower ranks.
 
-For MLA models SGLang backs up KV only on the storage-writer rank (``tp_rank == 0``), yet
-every rank answers hit queries and reads, and SGLang takes the *minimum* hit count across
-ranks. So the other ranks must see the writer's pages. They share the writer's pool files
-(same namespace, same ``ssd.path``); the writer appends one fixed-size entry per event to
-``{pool prefix}.journal`` and the followers tail it:
+The store that writes a pool appends one fixed-size entry per event to ``{pool prefix}.journal``:
 
-* ``ROUND``  (scope id, file, round offset) — appended *after* the round's bytes and record are
-  written, so a follower that sees the entry finds a complete, self-describing round (it reads
-  the round header and record from the pool file; see :mod:`flatcake.media.extent`);
-* ``RETIRE`` (scope id) — appended before the writer frees a scope's space.
+* ``ROUND``  (scope id, pool file, round offset, extent offset, round bytes, sequence number,
+  nonce, reuse class) — appended *after* the round's header, data and record are written and
+  *before* the round is published, so every page SGLang was told is stored has its entry;
+* ``RETIRE`` (scope id) — appended before the store frees a scope's space.
 
-A follower may read a round the writer has just reclaimed and reused before the RETIRE entry
-arrives; followers therefore always verify chunk checksums, which turns such a read into a
-miss, never other bytes. Entries are 32 bytes and end with an xxh3-64 of the first 24, so a
-torn tail is ignored until it is complete. A starting writer renames a fresh journal into
-place; a follower that sees a new inode (or the file shrink) drops what it mirrored and starts
-over.
+Two readers use it:
+
+* **restart** (:mod:`flatcake.gva.rebuild`): a store opening a pool replays the journal, reads
+  each live round's header and record (nothing else) and publishes the pages again; then it
+  writes a compacted journal (the live rounds only) and renames it into place;
+* **MLA follower ranks** (:mod:`flatcake.gva.mirror`): for MLA models SGLang backs up KV only on
+  the storage-writer rank (``tp_rank == 0``), yet every rank answers hit queries and SGLang takes
+  the *minimum* hit count, so the other ranks tail the writer's journal and mirror its rounds.
+
+The journal stays bounded by the live rounds: once it holds more than ``2 × live rounds +``
+:data:`COMPACT_MIN_ENTRIES` entries, the writer rewrites it with the live rounds
+(:meth:`JournalWriter.rewrite`, a new inode renamed into place). A follower that sees a new
+inode (or the file shrink) drops what it mirrored and replays the new journal from the start.
+
+Entries are 64 bytes and end with an xxh3-64 of the first 56, so a torn tail is ignored (a
+reader waits for it to complete; a restart drops it). Appends are buffered ``O_APPEND``
+writes: they survive a process crash (kill -9), not necessarily a power loss
+(``docs/durability.md``).
 """
 
 from __future__ import annotations
@@ -25,58 +33,142 @@ import os
 import struct
 import threading
 from dataclasses import dataclass
+from typing import Iterable
 
 import xxhash
 
-_ENTRY = struct.Struct("<IIQQ")  # kind, file_index, scope_id, round_offset
+#: kind, file_index, scope_id, round_offset, extent_offset, nonce, round_bytes, seq, reuse
+_ENTRY = struct.Struct("<IIQQQQQII")
 ENTRY_BYTES = _ENTRY.size + 8
 ROUND = 1
 RETIRE = 2
 
+#: dead entries tolerated beyond the live ones before the journal is compacted (64 B each)
+COMPACT_MIN_ENTRIES = 1024
+
 
 @dataclass(frozen=True, slots=True)
 class JournalEntry:
-    """One journal event: ``kind`` (:data:`ROUND` / :data:`RETIRE`), writer scope id, pool
-    file and byte offset of the round header (``ROUND`` only)."""
+    """One journal event.
+
+    Attributes:
+        kind: :data:`ROUND` or :data:`RETIRE`.
+        scope_id: the writer's scope id.
+        file_index: ``ROUND``: pool file of the round.
+        round_offset: ``ROUND``: byte offset of the round header in that file.
+        extent_offset: ``ROUND``: byte offset of the extent (its header block) holding the round.
+        nonce: ``ROUND``: the round's nonce (also in its header and record).
+        round_bytes: ``ROUND``: bytes of the whole round (header, data, record).
+        seq: ``ROUND``: the round's sequence number in its scope.
+        reuse: ``ROUND``: the scope's reuse class (index into ``ReuseScope``).
+    """
 
     kind: int
     scope_id: int
     file_index: int = 0
     round_offset: int = 0
+    extent_offset: int = 0
+    nonce: int = 0
+    round_bytes: int = 0
+    seq: int = 0
+    reuse: int = 0
 
 
 def _pack(e: JournalEntry) -> bytes:
-    body = _ENTRY.pack(e.kind, e.file_index, e.scope_id, e.round_offset)
+    body = _ENTRY.pack(e.kind, e.file_index, e.scope_id, e.round_offset, e.extent_offset, e.nonce, e.round_bytes,
+                       e.seq, e.reuse)
     return body + struct.pack("<Q", xxhash.xxh3_64_intdigest(body))
 
 
-class JournalWriter:
-    """Append side (the storage-writer rank). Thread-safe.
+def parse_entries(buf: bytes) -> list[JournalEntry]:
+    """The complete entries at the start of ``buf``, up to the first torn or corrupt one."""
+    out = []
+    for i in range(len(buf) // ENTRY_BYTES):
+        raw = buf[i * ENTRY_BYTES : (i + 1) * ENTRY_BYTES]
+        body, crc = raw[: _ENTRY.size], struct.unpack("<Q", raw[_ENTRY.size :])[0]
+        if xxhash.xxh3_64_intdigest(body) != crc:
+            break
+        kind, f, sid, roff, eoff, nonce, rbytes, seq, reuse = _ENTRY.unpack(body)
+        out.append(JournalEntry(kind, sid, f, roff, eoff, nonce, rbytes, seq, reuse))
+    return out
+
+
+def read_journal(path: str) -> list[JournalEntry]:
+    """Every complete entry of the journal at ``path`` ([] if it does not exist).
 
     Raises:
-        OSError: the journal cannot be created (at start-up).
+        OSError: the journal exists but cannot be read.
+    """
+    try:
+        with open(path, "rb") as f:
+            return parse_entries(f.read())
+    except FileNotFoundError:
+        return []
+
+
+class JournalWriter:
+    """Append side (the store that writes the pool). Thread-safe.
+
+    Args:
+        path: the journal's path.
+        entries: the entries the journal starts with (the live rounds found at start-up); the
+            file is written as a new inode and renamed into place.
+
+    Attributes:
+        entries: entries in the journal file now.
+
+    Raises:
+        OSError: the journal cannot be written (at start-up).
     """
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, entries: Iterable[JournalEntry] = ()):
         self.path = path
-        # A new inode, renamed into place: a follower still holding the previous writer's
-        # journal open sees the inode change and starts over (an in-place truncate could be
-        # refilled past the follower's read offset before it looks again).
-        tmp = f"{path}.{os.getpid()}.tmp"
-        self._fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o644)
-        os.replace(tmp, path)
         self._lock = threading.Lock()
+        self._fd = -1
+        self.entries = 0
+        self.rewrite(entries)
+
+    def rewrite(self, entries: Iterable[JournalEntry]) -> None:
+        """Replace the journal with ``entries`` (compaction): write a new file, rename it into
+        place, append to it from now on. A follower still holding the old inode sees the inode
+        change and starts over (an in-place truncate could be refilled past its read offset).
+
+        Raises:
+            OSError: the new journal cannot be written (the old one stays in place and in use).
+        """
+        data = b"".join(_pack(e) for e in entries)
+        tmp = f"{self.path}.{os.getpid()}.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o644)
+        try:
+            done = 0
+            while done < len(data):
+                done += os.write(fd, data[done:])
+            os.replace(tmp, self.path)
+        except BaseException:
+            os.close(fd)
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
+        with self._lock:
+            old, self._fd = self._fd, fd
+            self.entries = len(data) // ENTRY_BYTES
+        if old >= 0:
+            os.close(old)
 
     def append(self, e: JournalEntry) -> None:
-        """Append one entry (one ``write`` of 32 bytes on an ``O_APPEND`` fd).
+        """Append one entry (one ``write`` of 64 bytes on an ``O_APPEND`` fd).
 
         Raises:
             OSError: the write failed.
         """
         with self._lock:
             os.write(self._fd, _pack(e))
+            self.entries += 1
 
     def close(self) -> None:
+        """Close the journal (it stays on disk for the next start)."""
         with self._lock:
             if self._fd >= 0:
                 os.close(self._fd)
@@ -85,7 +177,7 @@ class JournalWriter:
 
 class JournalReader:
     """Tail side (follower ranks): :meth:`poll` returns the complete entries appended since
-    the last call. Not thread-safe; the store calls it under its writer lock."""
+    the last call. Not thread-safe; the follower calls it under its writer lock."""
 
     def __init__(self, path: str):
         self.path = path
@@ -104,18 +196,18 @@ class JournalReader:
         return True
 
     def size(self) -> int:
-        """Bytes in the journal now (0 if it does not exist yet)."""
+        """Bytes in the journal now (0 if it does not exist yet; -1 if it was replaced)."""
         try:
             st = os.stat(self.path)
         except FileNotFoundError:
             return 0
-        if self._ino is not None and st.st_ino != self._ino:  # recreated by a new writer
+        if self._ino is not None and st.st_ino != self._ino:  # rewritten (compaction, writer restart)
             return -1
         return st.st_size
 
     def poll(self) -> tuple[bool, list[JournalEntry]]:
-        """``(restarted, entries)``: ``restarted`` is True when the journal was truncated or
-        recreated since the last poll (the caller drops everything it mirrored first)."""
+        """``(restarted, entries)``: ``restarted`` is True when the journal was rewritten or
+        truncated since the last poll (the caller drops everything it mirrored first)."""
         size = self.size()
         restarted = False
         if size < 0 or size < self.offset:
@@ -127,19 +219,12 @@ class JournalReader:
         if size - self.offset < ENTRY_BYTES or not self._open():
             return restarted, []
         n = (size - self.offset) // ENTRY_BYTES
-        buf = os.pread(self._fd, n * ENTRY_BYTES, self.offset)
-        out = []
-        for i in range(len(buf) // ENTRY_BYTES):
-            raw = buf[i * ENTRY_BYTES : (i + 1) * ENTRY_BYTES]
-            body, crc = raw[: _ENTRY.size], struct.unpack("<Q", raw[_ENTRY.size :])[0]
-            if xxhash.xxh3_64_intdigest(body) != crc:
-                break  # torn tail: wait for the rest
-            kind, f, sid, off = _ENTRY.unpack(body)
-            out.append(JournalEntry(kind, sid, f, off))
-            self.offset += ENTRY_BYTES
+        out = parse_entries(os.pread(self._fd, n * ENTRY_BYTES, self.offset))
+        self.offset += len(out) * ENTRY_BYTES
         return restarted, out
 
     def close(self) -> None:
+        """Close the journal."""
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1

@@ -1,11 +1,13 @@
 """Follower mirroring: how a non-writer MLA TP rank sees the writer's pages (paper §3.1 index).
 
-The writer rank appends a ``ROUND`` entry to the scope journal after each SSD round is written
+The writer rank appends a ``ROUND`` entry to the pool journal after each SSD round is written
 and a ``RETIRE`` entry before it frees a scope (:mod:`flatcake.gva.journal`). A follower rank
 calls :meth:`FollowerMirror.sync` before each hit query and read: it reads the new entries,
-reads each new round's header and record from the shared pool file (the self-describing
-format of :mod:`flatcake.media.extent`) and publishes the round's keys in its own index under a
-mirror scope; a retired scope is forced out of the index. A follower never writes.
+reads each new round's header and record from the shared pool file and checks them against
+the entry exactly as a restart does (:func:`flatcake.gva.rebuild.read_round`), then publishes
+the round's keys in its own index under a mirror scope; a retired scope is forced out of the
+index. When the writer compacts the journal (or restarts) the follower starts over from the
+compacted journal, which holds only the live rounds. A follower never writes.
 
 Lifecycle of a mirrored scope::
 
@@ -20,10 +22,11 @@ the follower: followers always verify checksums, so such a read is a miss, never
 from __future__ import annotations
 
 from flatcake.errorlog import ErrorLog
-from flatcake.gva.address import MEDIUM_SSD, encode_gva
-from flatcake.gva.index import GvaIndex, PageEntry, SessionScope
+from flatcake.gva.address import MEDIUM_SSD
+from flatcake.gva.index import GvaIndex, SessionScope
 from flatcake.gva.journal import RETIRE, ROUND, JournalEntry, JournalReader
-from flatcake.gva.placement import ReuseScope
+from flatcake.gva.placement import reuse_of
+from flatcake.gva.rebuild import read_round, round_entries
 from flatcake.layout import PageGeometry
 from flatcake.media import extent as fmt
 from flatcake.media.ssd import SsdFilePool
@@ -77,30 +80,17 @@ class FollowerMirror:
 
     def _mirror_round_locked(self, e: JournalEntry) -> None:
         """Read round ``e``'s header and record and publish its keys. Writer lock held."""
-        g = self.geometry
         try:
-            parsed = fmt.unpack_round_header(self.ssd.read_at(e.file_index, e.round_offset, fmt.BLOCK))
-            if parsed is None:
-                return
-            lay, _, _ = parsed
-            if (lay.layers, lay.chunk_bytes) != (g.layers, g.chunk_bytes):
-                return
-            rec = fmt.unpack_record(self.ssd.read_at(e.file_index, e.round_offset + lay.record_offset, lay.record_bytes))
+            rec = read_round(self.ssd, e, self.ns_digest, self.geometry)
         except OSError as err:
             self.errors("journal round read", err)
             return
-        if rec is None or rec.ns_digest != self.ns_digest or len(rec.keys) != lay.n_pages:
+        if rec is None:
             return
         scope = self._scopes.get(e.scope_id)
-        if scope is None:
-            scope = self._scopes[e.scope_id] = self.index.open_scope_locked(MEDIUM_SSD, ReuseScope.ONE_SHOT)
-        n, cb = lay.n_pages, g.chunk_bytes
-        base = e.file_index * self.ssd.file_bytes + e.round_offset + fmt.BLOCK
-        self.index.publish_locked(
-            rec.keys,
-            [PageEntry(encode_gva(MEDIUM_SSD, self.node, base + p * cb), scope, n * cb, rec.checksums[:, p].copy())
-             for p in range(n)],
-        )
+        if scope is None or scope.retired or scope.doomed:  # (dropped here after a failed read: start anew)
+            scope = self._scopes[e.scope_id] = self.index.open_scope_locked(MEDIUM_SSD, reuse_of(e.reuse))
+        self.index.publish_locked(rec.keys, round_entries(rec, e, scope, self.ssd, self.node))
         self.index.set_tail_locked(scope, rec.keys[-1])
 
     def close(self) -> None:

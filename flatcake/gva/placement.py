@@ -37,6 +37,20 @@ class ReuseScope(str, enum.Enum):
     OVERFLOW = "overflow"
 
 
+#: journal codes of the reuse scopes (their position; append new members at the end)
+_REUSE_CODES = tuple(ReuseScope)
+
+
+def reuse_code(reuse: ReuseScope) -> int:
+    """The number a :class:`ReuseScope` is stored as in the pool journal."""
+    return _REUSE_CODES.index(reuse)
+
+
+def reuse_of(code: int) -> ReuseScope:
+    """The :class:`ReuseScope` stored as ``code`` (``ONE_SHOT`` for an unknown code)."""
+    return _REUSE_CODES[code] if 0 <= code < len(_REUSE_CODES) else ReuseScope.ONE_SHOT
+
+
 @dataclass(frozen=True, slots=True)
 class PlacementSignals:
     """Signals visible when a round of pages is written.

@@ -28,7 +28,7 @@ Session scope and turn from the key chain (SGLang passes ``extra_info.prefix_key
 * "reply tokens" is measured as tokens appended to the scope in the current turn (SGLang's
   backend cannot tell prompt from reply pages);
 * prefix reference count = hit queries that asked for a page before it was written, the
-  writer included (:class:`~flatcake.gva.index.InterestCounter`).
+  writer included (:class:`~flatcake.gva.signals.InterestCounter`).
 
 A DRAM scope whose next round is placed on SSD (context grew past ``L_agent``, or DRAM full)
 continues in a new SSD scope; pages already written never move.
@@ -36,7 +36,6 @@ continues in a new SSD scope; pages already written never move.
 
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -44,16 +43,16 @@ from typing import Optional, Sequence
 from flatcake.config import FlatCakeConfig
 from flatcake.errorlog import ErrorLog
 from flatcake.gva.address import MEDIUM_DRAM, MEDIUM_SSD
-from flatcake.gva.index import GvaIndex, InterestCounter, PageEntry, SessionScope
-from flatcake.gva.journal import RETIRE, ROUND, JournalEntry, JournalWriter
-from flatcake.gva.placement import PlacementDecision, PlacementPolicy, PlacementSignals, ReuseScope
+from flatcake.gva.index import GvaIndex, KeyClaims, PageEntry, SessionScope
+from flatcake.gva.journal import COMPACT_MIN_ENTRIES, RETIRE, ROUND, JournalEntry, JournalWriter
+from flatcake.gva.placement import PlacementDecision, PlacementPolicy, PlacementSignals, ReuseScope, reuse_code
+from flatcake.gva.signals import InterestCounter, RequeryFilter
 from flatcake.layout import PageGeometry
 from flatcake.media import extent as fmt
 from flatcake.media.dram import DramRegion
 from flatcake.media.ssd import Extent, SsdFilePool
 from flatcake.stats import StoreStats
 
-log = logging.getLogger("flatcake.scopes")
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +73,10 @@ class Placement:
             extent that already has one.
         extent_seq: SSD: index of ``new_extent`` among the scope's extents.
         prev_tail: SSD: the scope's tail offset before this reservation (for :meth:`ScopeTable.abort_locked`).
+        nonce: SSD: the round's random identity, written in its header, record and journal entry.
+        extent_offset: SSD: offset of the extent (its header block) that holds the round.
+        generation: SSD: the pool file's generation when the space was reserved (a write or
+            commit after the file was reset is refused).
     """
 
     scope: SessionScope
@@ -87,6 +90,9 @@ class Placement:
     new_extent: Optional[Extent] = None
     extent_seq: int = 0
     prev_tail: int = 0
+    nonce: int = 0
+    extent_offset: int = 0
+    generation: int = 0
 
     @property
     def medium(self) -> int:
@@ -104,7 +110,8 @@ class ScopeTable:
         ssd: the SSD file pool (its extent allocator is used under :attr:`lock`).
         stats: the store's stats object (reclaim counters).
         errors: the store's error-once log.
-        journal: the scope journal of an MLA writer rank (:mod:`flatcake.gva.journal`), else None.
+        journal: the pool journal (:mod:`flatcake.gva.journal`) of the store that writes the
+            pool; None for a follower rank (which never writes).
 
     Attributes:
         index: the lock-free key -> :class:`PageEntry` map and the live scope table.
@@ -125,13 +132,18 @@ class ScopeTable:
         self.index = GvaIndex()
         self.interest = InterestCounter()
         self.lock = self.index.lock
+        self.live_rounds = 0  # SSD rounds published and not freed (journal compaction)
+        self.claims = KeyClaims(self.index)  # keys a put is writing now
+        self.requeries = RequeryFilter(cfg.placement.requery_window_s)
 
     # ================================================================ hit queries and readers
     def note_hit_query(self, keys: Sequence[str], n: int, prefix_keys: Optional[Sequence[str]]) -> None:
         """Placement signals from a hit query whose leading stored run is ``n`` of ``keys``:
         a run that ends on a scope's tail and goes on with new keys starts that session's next
-        turn; the missing keys' prefix reference counts go up. Lock-free (best effort)."""
-        if n >= len(keys):
+        turn; the missing keys' prefix reference counts go up. A query identical to one seen in
+        the last ``placement.requery_window_s`` seconds (SGLang re-issues a request's hit query)
+        counts once (:class:`~flatcake.gva.signals.RequeryFilter`). Lock-free (best effort)."""
+        if n >= len(keys) or self.requeries.seen(keys, prefix_keys):
             return
         last = keys[n - 1] if n else (prefix_keys[-1] if prefix_keys else None)
         scope = self.index.tails.get(last) if last is not None else None
@@ -152,11 +164,18 @@ class ScopeTable:
             entries.append(e)
         return entries
 
-    @staticmethod
-    def unpin(entries: Sequence[PageEntry]) -> None:
-        """Drop the pins :meth:`pin_leading_run` took."""
+    def unpin(self, entries: Sequence[PageEntry]) -> None:
+        """Drop the pins :meth:`pin_leading_run` took; a doomed scope whose last pin this was is
+        freed now."""
+        doomed = []
         for e in entries:
             e.scope.release()
+            if e.scope.doomed:
+                doomed.append(e.scope)
+        if doomed:
+            with self.lock:
+                for scope in doomed:
+                    self.free_scope_locked(scope)
 
     # ================================================================ placement (writer lock)
     def _decide_locked(self, n_pages: int, turn: int, prev: Optional[int], cur: int, keys,
@@ -240,21 +259,24 @@ class ScopeTable:
         if where is None:
             scope.release()
             self._forget_if_empty_locked(scope)
-            log.warning("flatcake: SSD pool full (%d bytes used); put of %d pages fails", self.ssd.used_bytes, n)
+            self.errors.report("put", "SSD pool full", f"{self.ssd.used_bytes} bytes used, nothing evictable "
+                               f"makes room for {n} pages; the put fails")
             return None
-        f, off, new_ext = where
+        f, off, new_ext, ext_off = where
         seq = scope.round_seq
         scope.round_seq += 1
         return Placement(scope, list(keys), list(src_pages), extent_file=f, round_offset=off, layout=lay, seq=seq,
-                         new_extent=new_ext, extent_seq=len(scope.extents) - 1, prev_tail=prev_tail)
+                         new_extent=new_ext, extent_seq=len(scope.extents) - 1, prev_tail=prev_tail,
+                         nonce=fmt.new_nonce(), extent_offset=ext_off, generation=self.ssd.generation_of(f))
 
-    def _ssd_space_locked(self, scope: SessionScope, nbytes: int) -> Optional[tuple[int, int, Optional[Extent]]]:
+    def _ssd_space_locked(self, scope: SessionScope, nbytes: int) -> Optional[tuple[int, int, Optional[Extent], int]]:
         """Reserve ``nbytes`` at the scope's tail: in its last extent, by growing it in place,
         or in a new extent (whose header block comes first). Reclaims when the pool is full.
 
         Returns:
-            ``(file_index, offset, new_extent)`` (``new_extent`` is None unless one was opened),
-            or ``None`` when nothing fits even after freeing every unpinned scope.
+            ``(file_index, offset, new_extent, extent_offset)`` (``new_extent`` is None unless one
+            was opened), or ``None`` when nothing fits even after freeing every unpinned scope
+            (nothing is evicted then).
         """
         if scope.extents:
             ext: Extent = scope.extents[-1]
@@ -262,16 +284,22 @@ class ScopeTable:
             if room >= nbytes:
                 off = scope.tail_offset
                 scope.tail_offset += nbytes
-                return ext.file_index, off, None
+                return ext.file_index, off, None, ext.offset
             grown = self.ssd.try_extend_locked(ext, nbytes - room)
             if grown is not None:
                 scope.extents[-1] = grown
                 scope.nbytes += grown.nbytes - ext.nbytes
                 off = scope.tail_offset
                 scope.tail_offset += nbytes
-                return ext.file_index, off, None
+                return ext.file_index, off, None, ext.offset
         need = nbytes + fmt.BLOCK
         ext = self.ssd.allocate_locked(need)
+        if ext is None:  # admission before eviction: evict only if that makes the round fit
+            freeable = [x for sc in self.index.scopes.values()
+                        if sc is not scope and sc.medium == MEDIUM_SSD and sc.refcount == 0 and not sc.retired
+                        for x in sc.extents]
+            if not self.ssd.fits_after_freeing_locked(need, freeable):
+                return None
         while ext is None:  # no free range fits (full or fragmented): free oldest scopes one by one
             if not self.reclaim_one_locked(MEDIUM_SSD, exclude=scope):
                 return None
@@ -279,18 +307,31 @@ class ScopeTable:
         scope.extents.append(ext)
         scope.nbytes += ext.nbytes
         scope.tail_offset = ext.offset + fmt.BLOCK + nbytes
-        return ext.file_index, ext.offset + fmt.BLOCK, ext
+        return ext.file_index, ext.offset + fmt.BLOCK, ext, ext.offset
 
-    def commit_locked(self, plc: Placement, entries: Sequence[PageEntry], parent: Optional[str]) -> None:
-        """Publish a written round: key -> entry (readers see it from now on), the scope's tail
-        and reply tokens, and (MLA writer rank) the journal's ``ROUND`` entry. Writer lock held."""
+    def commit_locked(self, plc: Placement, entries: Sequence[PageEntry], parent: Optional[str]) -> bool:
+        """Publish a written round: the journal's ``ROUND`` entry (SSD), then key -> entry
+        (readers see it from now on), the scope's tail and reply tokens. Writer lock held.
+
+        Returns:
+            False, publishing nothing, when the round's space was taken away while it was
+            written (its scope was dropped, or its pool file reset): the caller aborts it.
+        """
         scope = plc.scope
+        if scope.retired or scope.doomed or (
+                plc.medium == MEDIUM_SSD and self.ssd.generation_of(plc.extent_file) != plc.generation):
+            return False
+        if plc.medium == MEDIUM_SSD:
+            e = JournalEntry(ROUND, scope.scope_id, plc.extent_file, plc.round_offset, plc.extent_offset, plc.nonce,
+                             plc.layout.total_bytes, plc.seq, reuse_code(scope.reuse))
+            scope.rounds.append(e)
+            self.live_rounds += 1
+            self._journal(e)
         self.index.publish_locked(plc.keys, entries)
         if scope.tail_key is None or scope.tail_key == parent:  # appended at the tail
             self.index.set_tail_locked(scope, plc.keys[-1])
         scope.cur_turn_tokens += len(plc.keys) * self.geometry.page_size
-        if self.journal is not None and plc.medium == MEDIUM_SSD:
-            self._journal(JournalEntry(ROUND, scope.scope_id, plc.extent_file, plc.round_offset))
+        return True
 
     def abort_locked(self, plc: Placement) -> None:
         """Give back a round's reservation after its write failed. Writer lock held.
@@ -320,11 +361,16 @@ class ScopeTable:
         scope.tail_offset = plc.prev_tail
 
     def release(self, plc: Placement) -> None:
-        """Unpin the placement's scope; drop it from the table if the failed round left it empty."""
-        plc.scope.release()
-        if not plc.scope.keys:
+        """Unpin the placement's scope; drop it from the table if the failed round left it
+        empty, free it if it was doomed while the round was written."""
+        scope = plc.scope
+        scope.release()
+        if not scope.keys or scope.doomed:
             with self.lock:
-                self._forget_if_empty_locked(plc.scope)
+                if scope.doomed:
+                    self.free_scope_locked(scope)
+                else:
+                    self._forget_if_empty_locked(scope)
 
     def _forget_if_empty_locked(self, scope: SessionScope) -> None:
         if not scope.keys and not scope.extents and not scope.slots and scope.try_retire():
@@ -370,8 +416,9 @@ class ScopeTable:
             return False
         self.index.unpublish_scope_locked(scope)
         if scope.medium == MEDIUM_SSD:
-            if self.journal is not None:
+            if scope.rounds:
                 self._journal(JournalEntry(RETIRE, scope.scope_id))
+            self.live_rounds -= len(scope.rounds)
             for ext in scope.extents:
                 self.ssd.free_locked(ext)
             self.stats.add(reclaimed_scopes_ssd=1, reclaimed_bytes=scope.nbytes)
@@ -380,26 +427,67 @@ class ScopeTable:
             self.stats.add(reclaimed_scopes_dram=1, reclaimed_bytes=scope.nbytes)
         return True
 
+    def drop_locked(self, scope: SessionScope) -> bool:
+        """Free ``scope`` now, or, while a reader or writer pins it, *doom* it: its keys are
+        unpublished at once (hit queries stop promising them) and its space is freed when the
+        last pin goes (:meth:`unpin`, :meth:`release`). Returns True if freed now. Writer lock held."""
+        if self.free_scope_locked(scope):
+            return True
+        if not scope.retired:
+            scope.doomed = True
+            self.index.hide_scope_locked(scope)
+        return False
+
     def clear(self) -> None:
-        """Free every scope no reader pins (SGLang's ``/hicache/storage-backend/clear``); a
-        pinned scope stays until a later clear or reclaim."""
+        """Drop every scope (SGLang's ``/hicache/storage-backend/clear``): unpinned ones are
+        freed at once, pinned ones are retired when their last reader leaves."""
         with self.lock:
             for scope in list(self.index.scopes.values()):
-                self.free_scope_locked(scope)
+                self.drop_locked(scope)
 
     def drop_file_scopes_locked(self, file_index: int) -> None:
-        """Pool file ``file_index`` lost its bytes (removed or truncated behind the backend):
-        free every scope with an extent in it; a scope a reader pins is hidden now (its keys
-        unpublished) and loses that file's extents, the rest is freed when it is reclaimed.
-        Writer lock held."""
+        """Pool file ``file_index`` lost its bytes (removed or truncated behind the backend, or
+        taken out of service): drop every scope with an extent in it. A pinned one loses that
+        file's extents now (their space is not the pool's any more) and is freed when its last
+        pin goes. Writer lock held."""
         for scope in [s for s in self.index.scopes.values() if any(x.file_index == file_index for x in s.extents)]:
             if not self.free_scope_locked(scope):
-                self.index.hide_scope_locked(scope)
                 gone = [x for x in scope.extents if x.file_index == file_index]
                 scope.extents = [x for x in scope.extents if x.file_index != file_index]
                 scope.nbytes -= sum(x.nbytes for x in gone)
+                self.drop_locked(scope)
+
+    def take_file_out_of_service_locked(self, file_index: int) -> None:
+        """Pool file ``file_index`` refuses writes: no more extents in it; its scopes dropped.
+        Writer lock held."""
+        self.drop_file_scopes_locked(file_index)
+        self.ssd.take_out_of_service_locked(file_index)
+
+    # ================================================================ journal
+    def journal_entries_locked(self) -> list[JournalEntry]:
+        """``ROUND`` entries of every live SSD round, scope by scope (a compacted journal)."""
+        return [e for sc in self.index.scopes.values() if sc.medium == MEDIUM_SSD and not sc.retired
+                for e in sc.rounds]
+
+    def maybe_compact_journal_locked(self) -> bool:
+        """Rewrite the journal with the live rounds once it holds more than ``2 × live rounds +
+        COMPACT_MIN_ENTRIES`` entries: it stays bounded by the live scopes, so a follower that
+        starts late (and a restart) replays only those. Writer lock held."""
+        j = self.journal
+        if j is None or j.entries <= 2 * self.live_rounds + COMPACT_MIN_ENTRIES:
+            return False
+        try:
+            j.rewrite(self.journal_entries_locked())
+        except OSError as err:
+            self.errors("journal compaction", err)
+            return False
+        return True
 
     def _journal(self, e: JournalEntry) -> None:
+        """Append ``e`` to the pool journal (a failure is logged, not raised). Writer lock held:
+        entries must reach the journal in the order of the events they record."""
+        if self.journal is None:
+            return
         try:
             self.journal.append(e)
         except OSError as err:

@@ -37,7 +37,7 @@ from typing import Callable, Iterable, Optional
 
 # The DRAM/SSD boundary of the 64-bit GVA (medium field [63:60]; 0 = DRAM, 1 = SSD):
 # every address >= 1 << 60 is on SSD (or a slower medium), so max(gva) decides.
-from flatcake.gva.address import SSD_BOUNDARY
+from flatcake.gva.address import SSD_BOUNDARY, needs_ssd
 
 __all__ = [
     "SSD_BOUNDARY",
@@ -82,7 +82,7 @@ class MasRequest:
     @property
     def needs_ssd(self) -> bool:
         """True if the slowest page is on SSD: ``max_gva >= 2**60``."""
-        return self.max_gva is not None and self.max_gva >= SSD_BOUNDARY
+        return self.max_gva is not None and needs_ssd([self.max_gva])
 
 
 @dataclass(frozen=True)

@@ -14,11 +14,18 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import torch
+import xxhash
 
 from flatcake.config import DramConfig
 
 log = logging.getLogger("flatcake.dram")
+
+
+def key_identity(key: str) -> int:
+    """A page key's 64-bit identity (xxh3-64 of its UTF-8, never 0)."""
+    return xxhash.xxh3_64_intdigest(key.encode()) or 1
 
 
 class DramRegion:
@@ -30,6 +37,10 @@ class DramRegion:
 
     Attributes:
         slots: uint8 tensor ``[n_slots, page_bytes]`` (``n_slots`` may be 0: DRAM disabled).
+        identity: uint64 ``[n_slots]``: :func:`key_identity` of the page each slot holds, 0
+            when it holds none. Set after a page's bytes are written, cleared when the slot is
+            freed; a reader checks it against its key before copying (a slot that holds another
+            page is a miss, never that page's bytes).
 
     Raises:
         RuntimeError: ``dram.pin: on`` without CUDA.
@@ -50,6 +61,7 @@ class DramRegion:
             if not self.pinned:
                 log.warning("cudaHostRegister of the DRAM region failed (rc=%s); using pageable memory", rc)
         self._free = list(range(self.n_slots - 1, -1, -1))  # pop() hands out low slots first
+        self.identity = np.zeros(self.n_slots, dtype=np.uint64)
 
     @property
     def free_slots(self) -> int:
@@ -66,8 +78,25 @@ class DramRegion:
         return [self._free.pop() for _ in range(n)]
 
     def free_locked(self, slots: list[int]) -> None:
-        """Return slots (whole-scope reclaim)."""
+        """Return slots (whole-scope reclaim, or a write that failed); their identity is cleared."""
+        if slots:
+            self.identity[np.asarray(slots, dtype=np.int64)] = 0
         self._free.extend(slots)
+
+    def set_identity(self, slots: list[int], keys: list[str]) -> None:
+        """Record which page each slot now holds (after its bytes are written)."""
+        self.identity[np.asarray(slots, dtype=np.int64)] = [key_identity(k) for k in keys]
+
+    def holds(self, slots: list[int], keys: list[str]) -> np.ndarray:
+        """bool ``[len(slots)]``: slot ``slots[i]`` holds the page of ``keys[i]``."""
+        want = np.fromiter((key_identity(k) for k in keys), dtype=np.uint64, count=len(keys))
+        return self.identity[np.asarray(slots, dtype=np.int64)] == want
+
+    def state(self) -> dict:
+        """``{"state": "healthy" | "disabled", "used_bytes", "capacity_bytes"}`` (bytes)."""
+        used = self.n_slots - len(self._free)
+        return {"state": "healthy" if self.n_slots else "disabled", "used_bytes": used * self.page_bytes,
+                "capacity_bytes": self.n_slots * self.page_bytes}
 
     def close(self) -> None:
         if self.pinned:

@@ -2,18 +2,25 @@
 
 Lifecycle of SSD space::
 
-    open pool (mkdir, probe O_DIRECT)  ->  allocate extent (file created + fallocated on first use)
-      -> append rounds (one aligned pwrite each)  ->  free extent (whole scope reclaimed)
+    open pool (mkdir, probe O_DIRECT, writer lock, stale pools within capacity)
+      -> allocate extent (best fit, 4 KiB granularity; a file is created + fallocated on first use)
+      -> append rounds  ->  free extent (whole scope reclaimed)
 
 * Files: ``{ssd.path}/fc-{namespace digest}-{NNNNN}.pool``, ``ssd.file_bytes`` each, at most
   ``ssd.max_files``. The namespace digest in the name keeps TP ranks and models that share a
   directory apart. A file is never renamed or truncated by FlatCake, so readers may cache fds.
-* Extents start on :data:`~flatcake.media.extent.EXTENT_GRID` boundaries. A new extent goes
-  to the middle of the largest free range, so the extent before it and the new one can both
-  grow in place (:meth:`SsdFilePool.try_extend`), keeping a session's rounds contiguous.
+  What else FlatCake keeps under ``ssd.path``, and how it stays within the capacity:
+  :mod:`flatcake.media.pool_dir`.
+* Extents are 4 KiB-aligned ranges placed best-fit (the smallest free range that holds them,
+  lowest address first), so the pool fills densely whatever the session size; an extent grows
+  in place while the range after it is free (:meth:`SsdFilePool.try_extend_locked`), else the
+  session continues in a new extent.
 * SSD GVA offset = ``file_index * file_bytes + offset_in_file``.
-* Every write buffer, offset and length is 4 KiB aligned (O_DIRECT and GDS). A filesystem
-  that refuses O_DIRECT is detected at start-up and buffered I/O is used (one log line).
+* Every write buffer, offset and length is 4 KiB aligned (O_DIRECT and GDS). Whether the
+  filesystem takes O_DIRECT is probed here, once, at start-up (one log line if it does not).
+* Faults: a file that cannot be created (``ENOSPC``, ...) is logged once per errno and its
+  creation is retried only once the filesystem has room for it again; a file that refuses
+  writes (``EIO``, ``EROFS``, ``EPERM``) is taken out of service (:meth:`take_out_of_service_locked`).
 
 Thread safety: allocation methods must be called with the store's writer lock held (suffix
 ``_locked``); :meth:`write` is safe from any thread (positional I/O on a shared fd).
@@ -21,30 +28,32 @@ Thread safety: allocation methods must be called with the store's writer lock he
 
 from __future__ import annotations
 
-import bisect
 import errno
+import fcntl
 import logging
-import mmap
 import os
 import threading
+import time
 from dataclasses import dataclass
+from typing import Optional
 
-import numpy as np
-
-from flatcake.config import SsdConfig
 from flatcake.align import align_up
-from flatcake.media.extent import BLOCK, EXTENT_GRID, namespace_digest
+from flatcake.config import SsdConfig
+from flatcake.errorlog import ErrorLog
+from flatcake.media import pool_dir
+from flatcake.media.errors import PoolFileGone, ShortWrite, SsdStartupError, StaleGeneration
+from flatcake.media.pool_dir import ensure_pool_dir
+from flatcake.media.directio import probe_direct_io
+from flatcake.media.extent import namespace_digest
+from flatcake.media.freelist import FreeRanges
 
 log = logging.getLogger("flatcake.ssd")
 
+#: errnos with which a pool file refuses writes for good: it is taken out of service
+REFUSED_ERRNOS = frozenset({errno.EIO, errno.EROFS, errno.EPERM, errno.EACCES})
 
-class PoolFileGone(OSError):
-    """A pool file was unlinked or truncated behind the backend (e.g. by a tmp cleaner): writes
-    to the open fd would land in an orphan inode, or next to a hole that reads back as zeros."""
-
-
-class SsdStartupError(RuntimeError):
-    """The SSD pool cannot be created or opened (bad ``ssd.path``, no space, permissions)."""
+#: seconds between two checks of whether a full filesystem has room for a new pool file again
+CREATE_RETRY_CHECK_S = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,150 +69,80 @@ class Extent:
         return self.offset + self.nbytes
 
 
-def drop_page_cache(path: str, sync: bool = True) -> bool:
-    """Evict ``path`` from the OS page cache (after ``fdatasync`` when ``sync``), so the next
-    read of it comes from the device. Used by benchmarks and the replay to measure cold reads.
-    Returns False if the file cannot be opened."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return False
-    try:
-        if sync:
-            os.fdatasync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        return True
-    finally:
-        os.close(fd)
-
-
-def probe_direct_io(directory: str) -> bool:
-    """True if ``directory``'s filesystem accepts 4 KiB-aligned O_DIRECT reads and writes."""
-    if not hasattr(os, "O_DIRECT"):
-        return False
-    path = os.path.join(directory, f".fc-odirect-probe-{os.getpid()}-{threading.get_ident()}")
-    buf = np.frombuffer(mmap.mmap(-1, BLOCK), dtype=np.uint8)  # page-aligned, writable
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)
-    except OSError:
-        return False
-    try:
-        buf[:] = ord("F")
-        os.pwritev(fd, [buf], 0)
-        return os.preadv(fd, [buf], 0) == BLOCK
-    except OSError:
-        return False
-    finally:
-        os.close(fd)
-        try:
-            os.unlink(path)
-        except OSError:
-            pass
-
-
-def ensure_pool_dir(path: str) -> None:
-    """Create ``path`` (the ``ssd.path`` directory) if needed and check it is writable.
-
-    Raises:
-        SsdStartupError: it cannot be created or is not a writable directory (names ``ssd.path``
-            and the errno).
-    """
-    try:
-        os.makedirs(path, exist_ok=True)
-    except OSError as e:
-        raise SsdStartupError(f"ssd.path {path!r}: cannot create directory: [errno {e.errno}] {e.strerror}") from None
-    if not os.path.isdir(path) or not os.access(path, os.W_OK | os.X_OK):
-        raise SsdStartupError(f"ssd.path {path!r}: not a writable directory")
-
-
-class _FreeRanges:
-    """Free byte ranges of one file: sorted starts + lengths, coalesced on free."""
-
-    def __init__(self, nbytes: int):
-        self.starts = [0]
-        self.lens = [nbytes]
-
-    def largest(self) -> tuple[int, int] | None:
-        if not self.lens:
-            return None
-        i = max(range(len(self.lens)), key=self.lens.__getitem__)
-        return self.starts[i], self.lens[i]
-
-    def take(self, start: int, n: int) -> None:
-        i = bisect.bisect_right(self.starts, start) - 1
-        s, ln = self.starts[i], self.lens[i]
-        assert s <= start and start + n <= s + ln, "taking a range that is not free"
-        del self.starts[i], self.lens[i]
-        if start + n < s + ln:
-            self.starts.insert(i, start + n)
-            self.lens.insert(i, s + ln - start - n)
-        if start > s:
-            self.starts.insert(i, s)
-            self.lens.insert(i, start - s)
-
-    def free_at(self, start: int) -> int:
-        """Length of the free range beginning exactly at ``start`` (0 if none)."""
-        i = bisect.bisect_left(self.starts, start)
-        return self.lens[i] if i < len(self.starts) and self.starts[i] == start else 0
-
-    def give(self, start: int, n: int) -> None:
-        i = bisect.bisect_left(self.starts, start)
-        self.starts.insert(i, start)
-        self.lens.insert(i, n)
-        if i + 1 < len(self.starts) and start + n == self.starts[i + 1]:  # merge right
-            self.lens[i] += self.lens.pop(i + 1)
-            self.starts.pop(i + 1)
-        if i > 0 and self.starts[i - 1] + self.lens[i - 1] == start:  # merge left
-            self.lens[i - 1] += self.lens.pop(i)
-            self.starts.pop(i)
-
-
 class SsdFilePool:
-    """The node's SSD address space: ``max_files`` preallocated files of ``file_bytes``.
+    """The node's SSD address space: up to ``max_files`` preallocated files of ``file_bytes``.
 
     Args:
         cfg: the ``ssd`` config section.
         namespace: the backend namespace (names the files).
+        instance: extra name component (attention-DP replica).
+        follower: open another process's pool read-only (MLA follower ranks): no lock, no files
+            created, no allocation.
+        errors: the store's error-once log (file creation and write faults).
+
+    Attributes:
+        capacity_bytes: bytes of the files in service (``max_files × file_bytes`` minus files
+            taken out of service); watermarks are fractions of it.
+        used_bytes: bytes allocated to extents.
+        direct_io: whether the filesystem took O_DIRECT at the start-up probe.
 
     Raises:
-        SsdStartupError: ``ssd.path`` cannot be created, is not a writable directory, or a
-            pool file cannot be created there (message names ``ssd.path`` and the errno).
+        SsdStartupError: ``ssd.path`` cannot be created, is not a writable directory, the pool
+            is in use by another process, or its first file cannot be created (message names
+            ``ssd.path`` and the errno). Nothing stays open after the error.
     """
 
-    def __init__(self, cfg: SsdConfig, namespace: str, instance: str = "", follower: bool = False):
+    def __init__(self, cfg: SsdConfig, namespace: str, instance: str = "", follower: bool = False,
+                 errors: Optional[ErrorLog] = None):
         self.cfg = cfg
         self.file_bytes = cfg.file_bytes
         self.max_files = cfg.max_files
-        self.capacity_bytes = cfg.file_bytes * cfg.max_files
+        self.configured_capacity_bytes = cfg.file_bytes * cfg.max_files
         self.follower = follower
+        self.errors = errors if errors is not None else ErrorLog(log)
         self.prefix = "fc-" + namespace_digest(namespace + "|" + instance).hex()[:16]
-        ensure_pool_dir(cfg.path)
-        if cfg.direct_io == "off":
-            self.direct_io = False
-        else:
-            self.direct_io = probe_direct_io(cfg.path)
-            if not self.direct_io:
-                if cfg.direct_io == "on":
-                    raise SsdStartupError(f"ssd.path {cfg.path!r}: filesystem refuses O_DIRECT (ssd.direct_io: on)")
-                log.warning("ssd.path %s refuses O_DIRECT; using buffered I/O", cfg.path)
         self._fds: dict[int, int] = {}
         self._fd_lock = threading.Lock()
-        self._free: dict[int, _FreeRanges] = {}  # only files that exist
+        self._free: dict[int, FreeRanges] = {}  # files in service that exist
+        self.out_of_service: set[int] = set()
         self.used_bytes = 0
         self._lock_fd = -1
+        self._generation: dict[int, int] = {}  # file index -> times it was reset or taken out of service
+        self._writes = 0  # writes in flight (an fd they use is closed only once they are done)
+        self._retired_fds: list[int] = []
+        self._create_blocked_at = 0.0  # time.monotonic() of the last creation failure (0: none)
+        self._create_checked_at = 0.0
+        self.removed_stale_pools: list[str] = []
+        ensure_pool_dir(cfg.path)
+        self.direct_io = self._probe(cfg)
         if follower:  # reads the writer's files; creates and locks nothing
             return
-        self._take_writer_lock()
-        # Fail now, not at the first write: create the first pool file.
-        self._open_file(0)
+        try:
+            self._take_writer_lock()
+            self._open_existing()
+            if 0 not in self._free:  # fail now, not at the first write: create the first pool file
+                self._make_room(self.file_bytes)
+                self._open_file(0, create=True)
+        except BaseException:
+            self.close()
+            raise
+
+    @staticmethod
+    def _probe(cfg: SsdConfig) -> bool:
+        if cfg.direct_io == "off":
+            return False
+        ok = probe_direct_io(cfg.path)
+        if not ok:
+            if cfg.direct_io == "on":
+                raise SsdStartupError(f"ssd.path {cfg.path!r}: filesystem refuses O_DIRECT (ssd.direct_io: on)")
+            log.warning("ssd.path %s refuses O_DIRECT; using buffered I/O", cfg.path)
+        return ok
 
     def _take_writer_lock(self) -> None:
         """One writer per pool: a second process with the same namespace and ``ssd.path``
         would overwrite this one's extents."""
-        import fcntl
-
         path = os.path.join(self.cfg.path, self.prefix + ".lock")
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
@@ -217,111 +156,236 @@ class SsdFilePool:
         os.pwrite(fd, str(os.getpid()).encode(), 0)
         self._lock_fd = fd
 
+    def _open_existing(self) -> None:
+        """Open this pool's files left by an earlier run (all of their space free until the
+        rebuild takes what it recovers); delete its files beyond ``max_files``."""
+        mine = pool_dir.scan(self.cfg.path).get(self.prefix)
+        for i in sorted(mine.pool_indices if mine else []):
+            if i >= self.max_files:
+                try:
+                    os.unlink(self.path_of(i))
+                    log.warning("flatcake: removed pool file %s beyond ssd.max_files=%d", self.path_of(i), self.max_files)
+                except OSError as e:
+                    self.errors("remove pool file", e)
+                continue
+            try:
+                self._open_file(i, create=False)
+            except SsdStartupError as e:
+                log.warning("flatcake: pool file %s unusable (%s); it will be recreated", self.path_of(i), e)
+
     @property
     def journal_path(self) -> str:
-        """The scope journal shared with follower ranks (:mod:`flatcake.gva.journal`)."""
+        """The pool journal (:mod:`flatcake.gva.journal`)."""
         return os.path.join(self.cfg.path, self.prefix + ".journal")
+
+    @property
+    def capacity_bytes(self) -> int:
+        """Bytes of the pool's files in service."""
+        return (self.max_files - len(self.out_of_service)) * self.file_bytes
 
     # ------------------------------------------------------------------ files
     def path_of(self, file_index: int) -> str:
         """Path of pool file ``file_index``."""
         return os.path.join(self.cfg.path, f"{self.prefix}-{file_index:05d}.pool")
 
-    def _open_file(self, i: int) -> int:
+    def own_bytes(self) -> int:
+        """Bytes this pool's files (and journal) take on disk."""
+        mine = pool_dir.scan(self.cfg.path).get(self.prefix)
+        return mine.nbytes if mine else 0
+
+    def _make_room(self, extra_bytes: int) -> None:
+        """Delete stale pools until this pool, ``extra_bytes`` more, fits the capacity."""
+        self.removed_stale_pools += pool_dir.make_room(self.cfg.path, self.prefix, self.own_bytes() + extra_bytes,
+                                                       self.configured_capacity_bytes)
+
+    def _open_file(self, i: int, create: bool) -> int:
+        """Open (and with ``create``, create and fallocate) pool file ``i``.
+
+        Raises:
+            SsdStartupError: it cannot be opened or created; nothing stays open, and a file
+                this call created is removed again (its blocks go back to the filesystem).
+        """
         with self._fd_lock:
             fd = self._fds.get(i)
             if fd is not None:
                 return fd
-            flags = os.O_RDWR | os.O_CREAT | (os.O_DIRECT if self.direct_io else 0)
+            path = self.path_of(i)
+            existed = os.path.exists(path)
+            if not existed and not create:
+                raise SsdStartupError(f"ssd.path {self.cfg.path!r}: pool file {path} does not exist")
+            flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0) | (os.O_DIRECT if self.direct_io else 0)
+            fd = -1
             try:
-                fd = os.open(self.path_of(i), flags, 0o600)
+                fd = os.open(path, flags, 0o600)
                 if self.cfg.preallocate:
                     os.posix_fallocate(fd, 0, self.file_bytes)
                 elif os.fstat(fd).st_size < self.file_bytes:
                     os.ftruncate(fd, self.file_bytes)
             except OSError as e:
+                if fd >= 0:
+                    os.close(fd)
+                if not existed:
+                    try:
+                        os.unlink(path)
+                    except OSError:
+                        pass
                 raise SsdStartupError(
-                    f"ssd.path {self.cfg.path!r}: cannot create pool file {self.path_of(i)}: [errno {e.errno}] {e.strerror}"
-                ) from None
+                    f"ssd.path {self.cfg.path!r}: cannot create pool file {path}: [errno {e.errno}] {e.strerror}"
+                ) from e
             self._fds[i] = fd
             if i not in self._free:
-                self._free[i] = _FreeRanges(self.file_bytes)
+                self._free[i] = FreeRanges(self.file_bytes)
             return fd
+
+    def _may_create(self) -> bool:
+        """Whether to try creating a pool file now: always, unless the last creation failed and
+        the filesystem still has no room for a file (checked at most once a second)."""
+        if not self._create_blocked_at:
+            return True
+        now = time.monotonic()
+        if now - self._create_checked_at < CREATE_RETRY_CHECK_S:
+            return False
+        self._create_checked_at = now
+        try:
+            st = os.statvfs(self.cfg.path)
+        except OSError:
+            return False
+        return st.f_bavail * st.f_frsize >= self.file_bytes
+
+    def _create_next_locked(self) -> Optional[int]:
+        """Create the lowest-numbered missing pool file; its index, or None (logged once per errno)."""
+        if not self._may_create():
+            return None
+        i = next(i for i in range(self.max_files) if i not in self._free and i not in self.out_of_service)
+        try:
+            self._make_room(self.file_bytes)
+            self._open_file(i, create=True)
+        except SsdStartupError as e:
+            self._create_blocked_at = self._create_checked_at = time.monotonic()
+            self.errors("create pool file", e.__cause__ if isinstance(e.__cause__, OSError) else e)
+            return None
+        self._create_blocked_at = 0.0
+        return i
 
     # ------------------------------------------------------------------ allocation (writer lock held)
     def allocate_locked(self, nbytes: int) -> Extent | None:
-        """A new extent of ``nbytes`` (rounded up to 4 KiB) on a grid boundary, or ``None`` if
-        no file has room (the caller reclaims and retries). Opens a new file when needed."""
+        """A new extent of ``nbytes`` (rounded up to 4 KiB): best fit over the files in service,
+        else in a newly created file; ``None`` if nothing holds it (the caller reclaims and
+        retries)."""
         n = align_up(nbytes)
         best = None  # (len, file, start)
         for f, fr in self._free.items():
-            lg = fr.largest()
-            if lg and (best is None or lg[1] > best[0]):
-                best = (lg[1], f, lg[0])
-        placed = self._place(best, n) if best else None
-        if placed is None and len(self._free) < self.max_files:
-            f = len(self._free)
-            try:
-                self._open_file(f)
-            except SsdStartupError as e:
-                log.error("%s", e)
-                return None
-            placed = self._place((self.file_bytes, f, 0), n)
-        if placed is None:  # largest ranges too small on the grid: first fit anywhere
-            for f, fr in self._free.items():
-                for s, ln in zip(list(fr.starts), list(fr.lens)):
-                    placed = self._place((ln, f, s), n)
-                    if placed:
-                        break
-                if placed:
-                    break
-        if placed is None:
+            fit = fr.best_fit(n)
+            if fit is not None and (best is None or (fit[1], f, fit[0]) < best):
+                best = (fit[1], f, fit[0])
+        if best is None and len(self._free) + len(self.out_of_service) < self.max_files and n <= self.file_bytes:
+            f = self._create_next_locked()
+            if f is not None:
+                best = (self.file_bytes, f, 0)
+        if best is None:
             return None
-        f, start = placed
+        _, f, start = best
         self._free[f].take(start, n)
         self.used_bytes += n
         return Extent(f, start, n)
 
-    def _place(self, rng, n: int):
-        ln, f, s = rng
-        first = align_up(s, EXTENT_GRID)
-        if first + n > s + ln:
-            return None
-        mid = align_up(s + (ln - n) // 2, EXTENT_GRID)
-        start = mid if mid + n <= s + ln and ln >= 2 * n + EXTENT_GRID else first
-        return f, start
+    def fits_after_freeing_locked(self, nbytes: int, freeable: list[Extent]) -> bool:
+        """Whether an extent of ``nbytes`` could be allocated once the ``freeable`` extents are
+        freed (admission before eviction): a free range, or one a new file would give."""
+        n = align_up(nbytes)
+        if len(self._free) + len(self.out_of_service) < self.max_files and n <= self.file_bytes and self._may_create():
+            return True
+        by_file: dict[int, list[tuple[int, int]]] = {}
+        for e in freeable:
+            if e.file_index in self._free:
+                by_file.setdefault(e.file_index, []).append((e.offset, e.nbytes))
+        for f, fr in self._free.items():
+            ranges = sorted(list(zip(fr.starts, fr.lens)) + by_file.get(f, []))
+            run_start, run_end = None, None
+            for s, ln in ranges:
+                if run_end is not None and s == run_end:
+                    run_end = s + ln
+                else:
+                    run_start, run_end = s, s + ln
+                if run_end - run_start >= n:
+                    return True
+        return False
+
+    def take_locked(self, file_index: int, offset: int, nbytes: int) -> bool:
+        """Mark ``[offset, offset + nbytes)`` of a file in service used (restart rebuild);
+        False, changing nothing, when any of it is already used or the file is not in service."""
+        fr = self._free.get(file_index)
+        if fr is None or not fr.take(offset, nbytes):
+            return False
+        self.used_bytes += nbytes
+        return True
 
     def try_extend_locked(self, ext: Extent, nbytes: int) -> Extent | None:
         """Grow ``ext`` in place by ``nbytes`` (4 KiB aligned) if the range after it is free."""
         n = align_up(nbytes)
-        fr = self._free[ext.file_index]
-        if fr.free_at(ext.end) >= n:
+        fr = self._free.get(ext.file_index)
+        if fr is not None and fr.free_at(ext.end) >= n:
             fr.take(ext.end, n)
             self.used_bytes += n
             return Extent(ext.file_index, ext.offset, ext.nbytes + n)
         return None
 
     def free_locked(self, ext: Extent) -> None:
-        """Return an extent's bytes to the pool (whole-scope reclaim)."""
-        self._free[ext.file_index].give(ext.offset, ext.nbytes)
-        self.used_bytes -= ext.nbytes
+        """Return an extent's bytes to the pool (whole-scope reclaim). A file out of service
+        keeps no free list: its bytes are simply no longer counted."""
+        fr = self._free.get(ext.file_index)
+        if fr is not None:
+            fr.give(ext.offset, ext.nbytes)
+            self.used_bytes -= ext.nbytes
+
+    def generation_of(self, file_index: int) -> int:
+        """How many times pool file ``file_index`` was reset or taken out of service. A page
+        written under another generation is not in the file any more: a read of it is a miss
+        and a write placed under it is refused (the bytes there belong to someone else now)."""
+        return self._generation.get(file_index, 0)
 
     def reset_file_locked(self, file_index: int) -> None:
-        """Forget pool file ``file_index`` (removed behind the backend): close its fd and mark
-        all of it free; it is recreated (and ``ssd.path`` with it) on the next use. The caller
-        has already dropped every scope with an extent in it."""
-        with self._fd_lock:
-            fd = self._fds.pop(file_index, None)
-        if fd is not None:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-        fr = self._free.get(file_index)
+        """Forget pool file ``file_index`` (removed behind the backend): a new generation, its
+        fd retired and all of it free; it is recreated (and ``ssd.path`` with it) on the next
+        use. The caller has already dropped every scope with an extent in it."""
+        self._generation[file_index] = self.generation_of(file_index) + 1
+        self._close_fd(file_index)
+        fr = self._free.pop(file_index, None)
         if fr is not None:
-            self.used_bytes -= self.file_bytes - sum(fr.lens)
-            self._free[file_index] = _FreeRanges(self.file_bytes)
+            self.used_bytes -= self.file_bytes - fr.free_bytes
         os.makedirs(self.cfg.path, exist_ok=True)
+
+    def take_out_of_service_locked(self, file_index: int) -> None:
+        """Pool file ``file_index`` refuses writes (EIO, EROFS, EPERM): allocate nothing more in
+        it and stop counting it in the capacity. The caller drops the scopes with extents in it."""
+        if file_index in self.out_of_service:
+            return
+        self.out_of_service.add(file_index)
+        self._generation[file_index] = self.generation_of(file_index) + 1
+        fr = self._free.pop(file_index, None)
+        if fr is not None:
+            self.used_bytes -= self.file_bytes - fr.free_bytes
+        self._close_fd(file_index)
+        log.error("flatcake: pool file %s refuses writes; taken out of service (%d of %d files left)",
+                  self.path_of(file_index), self.max_files - len(self.out_of_service), self.max_files)
+
+    def health(self) -> str:
+        """``"healthy"``; ``"degraded"`` (files out of service, or a file cannot be created for
+        lack of space); ``"disabled"`` (every file is out of service)."""
+        if len(self.out_of_service) >= self.max_files:
+            return "disabled"
+        if self.out_of_service or self._create_blocked_at:
+            return "degraded"
+        return "healthy"
+
+    def state(self) -> dict:
+        """The pool's health for the stats: ``state`` (:meth:`health`), ``used_bytes``,
+        ``capacity_bytes`` (in service), ``configured_capacity_bytes``, ``files_out_of_service``,
+        ``stale_pools_removed`` (since start-up)."""
+        return {"state": self.health(), "used_bytes": self.used_bytes, "capacity_bytes": self.capacity_bytes,
+                "configured_capacity_bytes": self.configured_capacity_bytes,
+                "files_out_of_service": sorted(self.out_of_service),
+                "stale_pools_removed": len(self.removed_stale_pools)}
 
     def free_ranges(self, file_index: int) -> list[tuple[int, int]]:
         """Free ``(offset, nbytes)`` ranges of pool file ``file_index`` in offset order (empty for
@@ -330,32 +394,57 @@ class SsdFilePool:
         return list(zip(fr.starts, fr.lens)) if fr is not None else []
 
     def used_fraction(self) -> float:
-        """Allocated bytes over pool capacity."""
-        return self.used_bytes / self.capacity_bytes
+        """Allocated bytes over the capacity in service (1.0 when no file is in service)."""
+        cap = self.capacity_bytes
+        return self.used_bytes / cap if cap else 1.0
 
     # ------------------------------------------------------------------ I/O
-    def write(self, file_index: int, offset: int, buf) -> None:
+    def write(self, file_index: int, offset: int, buf, generation: Optional[int] = None) -> None:
         """Write all of ``buf`` (4 KiB-aligned address and length) at ``offset``.
 
-        Raises:
-            OSError: the write failed or was short (errno ``EIO`` for short writes).
-        """
-        fd = self._open_file(file_index)
-        st = os.fstat(fd)
-        if st.st_nlink == 0 or st.st_size < self.file_bytes:  # unlinked, or truncated: earlier rounds are gone
-            raise PoolFileGone(errno.ENOENT, "pool file was removed or truncated behind the backend", self.path_of(file_index))
-        mv = memoryview(buf)
-        done = 0
-        while done < len(mv):
-            n = os.pwritev(fd, [mv[done:]], offset + done)
-            if n <= 0:
-                raise OSError(errno.EIO, "short write", self.path_of(file_index))
-            done += n
+        Args:
+            generation: the file generation the space was reserved under; the write is
+                refused when the file was reset since (its range may be someone else's now).
 
-    def read(self, file_index: int, offset: int, buf) -> int:
-        """Read into ``buf`` (aligned) at ``offset``; returns bytes read (short at EOF)."""
-        fd = self._open_file(file_index)
-        return os.preadv(fd, [buf], offset)
+        Raises:
+            PoolFileGone: the file was unlinked or truncated behind the backend.
+            StaleGeneration: the file was reset since ``generation``.
+            ShortWrite: the write stopped short (errno ``EIO``).
+            OSError: the write failed.
+        """
+        with self._fd_lock:
+            self._writes += 1
+        try:
+            if file_index in self.out_of_service:
+                raise OSError(errno.EIO, "pool file is out of service", self.path_of(file_index))
+            fd = self._fds.get(file_index)
+            if generation is not None and generation != self.generation_of(file_index):
+                raise StaleGeneration(errno.ESTALE, "pool file was reset after the space was reserved", self.path_of(file_index))
+            if fd is None:  # created by another path, or removed behind the backend and reset
+                fd = self._reopen(file_index)
+            st = os.fstat(fd)
+            if st.st_nlink == 0 or st.st_size < self.file_bytes:  # unlinked, or truncated: earlier rounds are gone
+                raise PoolFileGone(errno.ENOENT, "pool file was removed or truncated behind the backend", self.path_of(file_index))
+            mv = memoryview(buf)
+            done = 0
+            while done < len(mv):
+                n = os.pwritev(fd, [mv[done:]], offset + done)
+                if n <= 0:
+                    raise ShortWrite(errno.EIO, "short write", self.path_of(file_index))
+                done += n
+        finally:
+            with self._fd_lock:
+                self._writes -= 1
+                if not self._writes and self._retired_fds:
+                    fds, self._retired_fds = self._retired_fds, []
+                    for fd in fds:
+                        os.close(fd)
+
+    def _reopen(self, file_index: int) -> int:
+        try:
+            return self._open_file(file_index, create=True)
+        except SsdStartupError as e:
+            raise (e.__cause__ if isinstance(e.__cause__, OSError) else OSError(errno.EIO, str(e))) from None
 
     def read_at(self, file_index: int, offset: int, nbytes: int) -> bytes:
         """Buffered read of ``nbytes`` at ``offset`` (metadata: round headers and records).
@@ -363,39 +452,41 @@ class SsdFilePool:
         Raises:
             OSError: the file is missing or unreadable.
         """
-        fd = os.open(self.path_of(file_index), os.O_RDONLY)
+        fd = os.open(self.path_of(file_index), os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         try:
             return os.pread(fd, nbytes, offset)
         finally:
             os.close(fd)
 
-    def close(self) -> None:
-        """Close every fd and release the writer lock (files stay on disk)."""
+    def open_fds(self) -> int:
+        """File descriptors this pool holds open (pool files, retired ones and the lock)."""
+        return len(self._fds) + len(self._retired_fds) + (self._lock_fd >= 0)
+
+    def _close_fd(self, file_index: int) -> None:
+        """Retire the fd of ``file_index``: closed now if no write is in flight, else when the
+        last one ends (a write holding the number must not reach another file that reuses it)."""
         with self._fd_lock:
-            for fd in self._fds.values():
+            fd = self._fds.pop(file_index, None)
+            if fd is None:
+                return
+            if self._writes:
+                self._retired_fds.append(fd)
+                return
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        """Close every fd and release the writer lock (files stay on disk). Idempotent."""
+        with self._fd_lock:
+            for fd in list(self._fds.values()) + self._retired_fds:
                 try:
                     os.close(fd)
                 except OSError:
                     pass
             self._fds.clear()
+            self._retired_fds.clear()
             if self._lock_fd >= 0:
                 os.close(self._lock_fd)
                 self._lock_fd = -1
-
-
-class AlignedBuffer:
-    """A page-aligned, reusable host buffer (anonymous mmap), grown on demand."""
-
-    def __init__(self, nbytes: int = 0):
-        self._mm: mmap.mmap | None = None
-        self.nbytes = 0
-        if nbytes:
-            self.reserve(nbytes)
-
-    def reserve(self, nbytes: int) -> memoryview:
-        """A writable view of at least ``nbytes`` (rounded to 4 KiB), reusing the mapping."""
-        n = align_up(max(nbytes, BLOCK))
-        if n > self.nbytes:
-            self._mm = mmap.mmap(-1, n)  # the old mapping is freed once no view holds it
-            self.nbytes = n
-        return memoryview(self._mm)[:n]

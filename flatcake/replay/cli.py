@@ -37,7 +37,8 @@ from flatcake.replay.engine import Engine, EngineConfig, ModelProfile, RequestOu
 from flatcake.replay.keys import PageKeyer
 from flatcake.replay.report import markdown, plot_ttft_cdf, system_summary
 from flatcake.replay.systems import SYSTEMS, make_system
-from flatcake.replay.traces import TraceFormatError, detect_format, ideal_hit_rate, load_trace
+from flatcake.replay.traces import (DEFAULT_SESSION_GAP_S, TraceFormatError, detect_format, ideal_hit_rate,
+                                    load_trace)
 
 log = logging.getLogger("flatcake.replay")
 
@@ -52,7 +53,7 @@ HARNESS_DEFAULTS: dict[str, Any] = {
     "max_requests": None,
     "out": "runs/replay",
     "sessions": None,  # WEKA: conversations to read (archive order)
-    "session_gap_s": 60.0,  # WEKA: seconds between conversation starts
+    "session_gap_s": DEFAULT_SESSION_GAP_S,  # WEKA: seconds between conversation starts
     "skip_sessions": 0,
     "max_context_tokens": None,  # WEKA: skip conversations with a larger prompt
     "drop_page_cache": True,
@@ -215,8 +216,9 @@ def run_replay(cfg: FlatCakeConfig, settings: dict[str, Any], profile: ModelProf
     out = Path(settings["out"])
     trace = Path(settings["trace"])
     t0 = time.perf_counter()
-    reqs = load_trace(trace, settings["max_requests"], settings["sessions"], settings["session_gap_s"],
-                      settings["skip_sessions"], settings["max_context_tokens"])
+    reqs = load_trace(trace, max_requests=settings["max_requests"], sessions=settings["sessions"],
+                      session_gap_s=settings["session_gap_s"], skip_sessions=settings["skip_sessions"],
+                      max_context_tokens=settings["max_context_tokens"])
     out.mkdir(parents=True, exist_ok=True)  # only once the trace has been read
     keyer = PageKeyer(profile.page_size)
     keys = [keyer.keys(r) for r in reqs]

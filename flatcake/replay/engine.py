@@ -31,8 +31,8 @@ import torch
 import xxhash
 
 from flatcake.adapter.host_pool import MHAHostPoolDouble, MLAHostPoolDouble
+from flatcake.config import STORAGE_BATCH_PAGES
 
-STORAGE_BATCH_SIZE = 128  # pages per L3 read/write call (sglang hicache_storage.STORAGE_BATCH_SIZE)
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
            "float8_e4m3fn": torch.float8_e4m3fn, "uint8": torch.uint8}
@@ -339,8 +339,8 @@ class Engine:
         self.content = PageContent(system.pool)
         if self.content.page_bytes != profile.page_bytes:
             raise ValueError("host pool page bytes disagree with the model profile")
-        if self.pages.free_pages < 2 * STORAGE_BATCH_SIZE:
-            raise ValueError(f"host_pool_pages must be >= {2 * STORAGE_BATCH_SIZE}")
+        if self.pages.free_pages < 2 * STORAGE_BATCH_PAGES:
+            raise ValueError(f"host_pool_pages must be >= {2 * STORAGE_BATCH_PAGES}")
 
     def run(self, keys: Sequence[str], prompt_tokens: int) -> RequestOutcome:
         """Serve one request whose prompt has page keys ``keys`` and ``prompt_tokens`` tokens."""
@@ -363,10 +363,10 @@ class Engine:
                 if self.cfg.prefetch_policy == "timeout":
                     deadline = (self.cfg.prefetch_timeout_base_s
                                 + hit * P / 1024 * self.cfg.prefetch_timeout_per_ki_token_s)
-                for b in range(0, hit, STORAGE_BATCH_SIZE):
+                for b in range(0, hit, STORAGE_BATCH_PAGES):
                     if deadline is not None and out.read_s > deadline:
                         break
-                    batch = list(rest[b: min(hit, b + STORAGE_BATCH_SIZE)])
+                    batch = list(rest[b: min(hit, b + STORAGE_BATCH_PAGES)])
                     host = self.pages.alloc(len(batch))
                     try:
                         got, dram, ssd = sysm.get(batch, host, list(keys[: n_hbm + b]))
@@ -389,8 +389,8 @@ class Engine:
         out.prefill_s = self.profile.prefill_s(max(0, prompt_tokens - cached_tokens), cached_tokens)
         out.load_s = self.profile.load_s(loaded * self.profile.page_bytes)
         # backup (write-through) of the newly computed pages
-        for b in range(0, len(computed), STORAGE_BATCH_SIZE):
-            batch = computed[b: b + STORAGE_BATCH_SIZE]
+        for b in range(0, len(computed), STORAGE_BATCH_PAGES):
+            batch = computed[b: b + STORAGE_BATCH_PAGES]
             host = self.pages.alloc(len(batch))
             try:
                 for i, k in enumerate(batch):

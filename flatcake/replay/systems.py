@@ -39,7 +39,7 @@ from typing import Any, Mapping, Optional
 import torch
 
 from flatcake.config import FLATCAKE_EXTRA
-from flatcake.media.ssd import drop_page_cache
+from flatcake.media.directio import drop_page_cache
 from flatcake.replay.engine import ModelProfile
 
 log = logging.getLogger(__name__)

@@ -151,10 +151,15 @@ def iter_weka_conversations(path: str | Path) -> Iterator[dict]:
             yield json.loads(fobj.read())
 
 
+#: seconds between the starts of consecutive WEKA conversations (the arrival mix), by default
+DEFAULT_SESSION_GAP_S = 60.0
+
+
 def read_weka(
     path: str | Path,
+    *,
     sessions: Optional[int] = None,
-    session_gap_s: float = 60.0,
+    session_gap_s: float = DEFAULT_SESSION_GAP_S,
     max_requests: Optional[int] = None,
     skip_sessions: int = 0,
     max_context_tokens: Optional[int] = None,
@@ -203,9 +208,10 @@ def detect_format(path: str | Path) -> str:
 
 def load_trace(
     path: str | Path,
+    *,
     max_requests: Optional[int] = None,
     sessions: Optional[int] = None,
-    session_gap_s: float = 60.0,
+    session_gap_s: float = DEFAULT_SESSION_GAP_S,
     skip_sessions: int = 0,
     max_context_tokens: Optional[int] = None,
 ) -> list[TraceRequest]:
@@ -215,7 +221,8 @@ def load_trace(
     try:
         if fmt == "mooncake":
             return read_mooncake(path, max_requests)
-        return read_weka(path, sessions, session_gap_s, max_requests, skip_sessions, max_context_tokens)
+        return read_weka(path, sessions=sessions, session_gap_s=session_gap_s, max_requests=max_requests,
+                         skip_sessions=skip_sessions, max_context_tokens=max_context_tokens)
     except TraceFormatError:
         raise
     except (ValueError, KeyError, TypeError, OSError, EOFError, tarfile.TarError) as e:

@@ -7,13 +7,13 @@ import threading
 
 import pytest
 import torch
-from flatcake_testkit import fill_page, page_matches, slots_of, storage_config, write_pages
+from flatcake_testkit import fill_page, page_matches, slots_of, storage_config, two_requests_share, write_pages
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageExtraInfo
 
 from flatcake.adapter.storage import FlatCakeStorage
 from flatcake.config import ConfigError
 from flatcake.layout import SUPPORTED_LAYOUTS, UnsupportedLayoutError
-from flatcake.media.ssd import SsdStartupError
+from flatcake.media.errors import SsdStartupError
 
 LAYOUTS = list(SUPPORTED_LAYOUTS)
 
@@ -33,8 +33,7 @@ def test_zero_copy_round_trip_is_bit_exact(make_backend, mla, layout, dram):
     be, pool = make_backend(mla=mla, layout=layout, extra={"dram.capacity_bytes": dram, "placement.shared_refcount": 2})
     keys = [f"{layout}-{mla}-{i}" for i in range(10)]
     if dram:  # two hit queries before the write make it a shared prompt -> DRAM
-        be.batch_exists(keys)
-        be.batch_exists(keys)
+        two_requests_share(be.batch_exists, keys)
     assert write_pages(be, pool, keys, range(10)) == [True] * 10
     assert be.batch_exists(keys) == 10
     assert {be.store.medium_of(k) for k in keys} == ({"dram"} if dram else {"ssd"})
@@ -290,18 +289,18 @@ def test_get_stats_reports_pages_per_call_and_drains(make_backend, monkeypatch):
     assert (m2.backup_pgs, m2.prefetch_pgs, m2.prefetch_bandwidth) == ([], [], [])
 
 
-def test_clear_forgets_unpinned_scopes_and_frees_their_space(make_backend):
+def test_clear_forgets_every_scope_and_frees_a_pinned_one_when_its_reader_leaves(make_backend):
     be, pool = make_backend()
     write_pages(be, pool, ["a0", "a1"], [0, 1])
     write_pages(be, pool, ["b0"], [2])
-    held = be.store.index.get("b0").scope
-    held.try_acquire()
+    entries = be.store.scopes.pin_leading_run(["b0"])  # a read of b0 is in flight
     be.clear()
-    assert be.batch_exists(["a0", "a1"]) == 0 and be.batch_exists(["b0"]) == 1
-    held.release()
-    be.clear()
-    assert be.batch_exists(["b0"]) == 0
-    assert be.store.ssd.used_bytes == 0 and len(be.store.index) == 0
+    assert be.batch_exists(["a0", "a1"]) == 0 and be.batch_exists(["b0"]) == 0  # nothing served any more
+    held = entries[0].scope
+    assert held.doomed and not held.retired and be.store.ssd.used_bytes > 0  # ... but its bytes stay for the reader
+    be.store.scopes.unpin(entries)  # the reader leaves: the scope is retired and its space freed
+    assert held.retired and be.store.ssd.used_bytes == 0 and len(be.store.index) == 0
+    assert be.flatcake_stats()["reclaimed_scopes_ssd"] == 2
 
 
 def test_calls_after_close_are_misses_not_errors(make_backend):
@@ -399,8 +398,7 @@ def test_host_indices_not_on_page_boundaries_are_refused(make_backend):
 def test_restore_of_dram_pages_issues_no_ssd_read(make_backend):
     be, pool = make_backend(extra={"dram.capacity_bytes": 1 << 20})
     keys = ["d0", "d1", "d2"]
-    be.batch_exists(keys)
-    be.batch_exists(keys)  # a shared prompt: placed on DRAM
+    two_requests_share(be.batch_exists, keys)  # a shared prompt: placed on DRAM
     write_pages(be, pool, keys, range(3))
     before = be.flatcake_stats()
     assert be.batch_get_v1(keys, slots_of(pool, range(5, 8))) == [True] * 3

@@ -2,7 +2,7 @@
 through the backend as SGLang drives it (hit queries, then ``batch_set_v1`` with prefix keys)."""
 
 import pytest
-from flatcake_testkit import write_pages
+from flatcake_testkit import two_requests_share, write_pages
 
 from flatcake.gva.address import MEDIUM_DRAM, MEDIUM_SSD
 from flatcake.gva.placement import ReuseScope
@@ -75,8 +75,7 @@ def test_short_chat_turn2_after_short_reply_goes_to_dram_and_later_turns_join(ba
 def test_context_over_l_agent_goes_to_ssd_and_dram_scope_continues_on_ssd(backend):
     be, pool = backend()
     shared = ["s0", "s1"]
-    be.batch_exists(shared)
-    be.batch_exists(shared)
+    two_requests_share(be.batch_exists, shared)
     put(be, pool, shared, 0, [])
     assert media(be, shared) == ["dram"] * 2
     # the same session appends past L_agent (40 tokens = 10 pages): new rounds on SSD
@@ -91,8 +90,7 @@ def test_dram_full_overflows_to_ssd(backend, make_backend):
     be, pool = backend(**{"dram.capacity_bytes": 3 * 1536})  # 3 page slots
     assert be.store.dram.n_slots == 3
     keys = [f"o{i}" for i in range(4)]
-    be.batch_exists(keys)
-    be.batch_exists(keys)
+    two_requests_share(be.batch_exists, keys)
     put(be, pool, keys, 0, [])
     assert media(be, keys) == ["ssd"] * 4
     assert be.store.page_info("o0").reuse == ReuseScope.OVERFLOW

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from flatcake_testkit import page_matches, slots_of, write_pages
 
-from flatcake.media.ssd import SsdStartupError
+from flatcake.media.errors import SsdStartupError
 
 
 def test_mla_tp2_follower_rank_sees_the_writer_rank_pages(make_backend):
@@ -46,8 +46,29 @@ def test_follower_starts_over_when_the_writer_restarts(make_backend):
     b2 = [f"B2{i}" for i in range(4)]
     write_pages(w2, wpool2, b, range(4))
     write_pages(w2, wpool2, b2, range(4, 8))
-    assert (f.batch_exists(a), f.batch_exists(b), f.batch_exists(b2)) == (0, 4, 4)
+    # the restarted writer rebuilt A from its pool; the follower replays the new journal
+    assert (f.batch_exists(a), f.batch_exists(b), f.batch_exists(b2)) == (4, 4, 4)
     assert f.batch_get_v1(b + b2, slots_of(fpool, range(10, 18))) == [True] * 8
     assert all(page_matches(fpool, (10 + i) * fpool.page_size, k) for i, k in enumerate(b + b2))
     f.close()
     assert f.batch_set_v1(b, slots_of(fpool, range(4))) == [False] * 4  # closed: no success reported
+
+
+def test_a_follower_that_dropped_a_session_after_a_failed_read_mirrors_its_next_rounds_again(make_backend):
+    w, wpool = make_backend(mla=True, tp_rank=0, tp_size=2)
+    f, fpool = make_backend(mla=True, tp_rank=1, tp_size=2)
+    keys = [f"s{i}" for i in range(4)]
+    write_pages(w, wpool, keys[:2], range(2))
+    assert f.batch_exists(keys[:2]) == 2
+    real = f.store.cio.restore
+    f.store.cio.restore = lambda chunks, layout, **kw: real(chunks.__class__(
+        chunks.file_index + 7, chunks.offset, chunks.page, chunks.layer, chunks.tag, chunks.nbytes,
+        chunks.checksum, chunks.has_checksum), layout, **kw)  # one read of a missing file
+    assert f.batch_get_v1(keys[:2], slots_of(fpool, [10, 11])) == [False, False]
+    f.store.cio.restore = real
+    assert f.batch_exists(keys[:2]) == 0  # the follower dropped what it could not read
+    write_pages(w, wpool, keys[2:], range(2, 4), keys[:2])  # the session goes on at the writer
+    n = f.batch_exists(keys[2:], None)
+    got = f.batch_get_v1(keys[2:], slots_of(fpool, [12, 13]))
+    assert got == [True] * n and n == 2  # promised only what it can read, and reads it
+    assert all(page_matches(fpool, (12 + i) * fpool.page_size, k) for i, k in enumerate(keys[2:]))

@@ -15,8 +15,9 @@ def put(be, pool, keys, first_page, prefix=()):
 
 @pytest.fixture
 def small_ssd(make_backend):
-    # 1 file of 1 MiB: extents sit on a 256 KiB grid, so at most 4 one-round scopes fit
-    return make_backend(pages=64, extra={"ssd.file_bytes": 1 << 20, "ssd.max_files": 1, "ssd.high_watermark": 0.7, "ssd.low_watermark": 0.5})
+    # 1 file of 128 KiB; a one-round scope of 1-3 pages (1.5 KiB each) takes 16-20 KiB
+    # (extent header, round header, data, record: 4 KiB blocks), so 6-8 scopes fit
+    return make_backend(pages=64, extra={"ssd.file_bytes": 128 << 10, "ssd.max_files": 1, "ssd.high_watermark": 0.7, "ssd.low_watermark": 0.5})
 
 
 def test_reclaim_frees_oldest_whole_scopes(small_ssd):
@@ -46,22 +47,24 @@ def test_reader_holding_scope_blocks_reclaim(small_ssd):
     pool.kv_buffer.zero_()
     assert be.batch_get_v1(first, slots_of(pool, [40, 41])) == [True, True]
     assert page_matches(pool, 40 * PS, "h0") and page_matches(pool, 41 * PS, "h1")
-    scope.release()
-    for s in range(8, 12):
+    scope.release()  # the reader leaves (and h is now the most recently used scope)
+    for s in range(8, 20):
         put(be, pool, [f"x{s}a", f"x{s}b"], 2 + 2 * (s % 8))
     assert scope.retired and be.batch_exists(first) == 0
 
 
-def test_pool_full_of_pinned_scopes_fails_the_put_and_keeps_old_pages(small_ssd):
-    be, pool = small_ssd
+def test_pool_full_of_pinned_scopes_fails_the_put_and_keeps_old_pages(make_backend):
+    be, pool = make_backend(pages=64, extra={"ssd.file_bytes": 128 << 10, "ssd.max_files": 1,
+                                             "ssd.high_watermark": 1.0, "ssd.low_watermark": 0.9})
     pinned = []
-    for s in range(4):
-        put(be, pool, [f"p{s}"], s)
+    for s in range(8):  # 8 x 16 KiB fill the file
+        assert put(be, pool, [f"p{s}"], s) == [True]
         sc = be.store.index.get(f"p{s}").scope
         sc.try_acquire()
         pinned.append(sc)
+    assert be.store.ssd.used_bytes == 128 << 10
     assert put(be, pool, ["late"], 10) == [False]
-    assert all(be.batch_exists([f"p{s}"]) == 1 for s in range(4))
+    assert all(be.batch_exists([f"p{s}"]) == 1 for s in range(8))
     for sc in pinned:
         sc.release()
     assert put(be, pool, ["late"], 10) == [True]

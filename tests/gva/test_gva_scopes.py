@@ -5,6 +5,7 @@ no bytes moved: entries are published as the write path would return them."""
 import logging
 
 import pytest
+from flatcake_testkit import two_requests_share
 
 from flatcake.config import load_config
 from flatcake.errorlog import ErrorLog
@@ -97,8 +98,7 @@ def test_hit_query_reaching_the_tail_starts_the_sessions_next_turn(make_table):
 
 def test_prefix_asked_for_by_two_requests_is_a_shared_prompt_on_dram(make_table):
     t = make_table()
-    for _ in range(2):
-        t.note_hit_query(["s0", "s1", "u"], 0, None)
+    two_requests_share(lambda ks: t.note_hit_query(ks, 0, None), ["s0", "s1"])
     plc = put(t, ["s0", "s1"])
     assert plc.medium == MEDIUM_DRAM and plc.scope.reuse == ReuseScope.SHARED_PROMPT
     assert len(plc.slots) == 2 and t.dram.free_slots == 6
@@ -106,8 +106,7 @@ def test_prefix_asked_for_by_two_requests_is_a_shared_prompt_on_dram(make_table)
 
 def test_a_dram_session_past_l_agent_continues_in_a_new_ssd_scope(make_table):
     t = make_table()
-    for _ in range(2):
-        t.note_hit_query(["s0"], 0, None)
+    two_requests_share(lambda ks: t.note_hit_query(ks, 0, None), ["s0"])
     first = put(t, ["s0"])
     more = put(t, [f"s{i}" for i in range(1, 4)], parent="s0", context_pages=11)  # 44 tokens >= 40
     assert first.medium == MEDIUM_DRAM and more.medium == MEDIUM_SSD
@@ -117,8 +116,7 @@ def test_a_dram_session_past_l_agent_continues_in_a_new_ssd_scope(make_table):
 
 def test_aborted_dram_round_gives_each_slot_back_exactly_once(make_table):
     t = make_table()
-    for _ in range(2):  # a shared prompt: DRAM
-        t.note_hit_query(["k0", "x0", "x1"], 0, None)
+    two_requests_share(lambda ks: t.note_hit_query(ks, 0, None), ["k0", "x0", "x1"])  # shared: DRAM
     keep = put(t, ["k0"])  # a committed page in DRAM
     with t.lock:
         plc = t.place_locked(["x0", "x1"], [0, 1], "k0", 12)  # joins k0's DRAM scope
@@ -127,8 +125,7 @@ def test_aborted_dram_round_gives_each_slot_back_exactly_once(make_table):
     t.release(plc)
     assert t.dram.free_slots == 7 and keep.scope.slots == keep.slots
     others = [f"o{i}" for i in range(7)]
-    for _ in range(2):
-        t.note_hit_query(others, 0, None)
+    two_requests_share(lambda ks: t.note_hit_query(ks, 0, None), others)
     other = put(t, others)  # another shared prompt takes every free slot
     assert other.medium == MEDIUM_DRAM and t.dram.free_slots == 0
     with t.lock:  # reclaiming k0's scope frees its one slot, not the aborted ones twice
@@ -172,29 +169,51 @@ def test_reclaim_frees_least_recently_used_unpinned_scopes_whole(make_table):
     scopes[0].release()
 
 
-def test_no_placement_when_every_scope_that_could_make_room_is_pinned(make_table):
-    t = make_table(**{"ssd.file_bytes": 1 << 20, "ssd.max_files": 1})
-    pinned = []
-    for s in range(4):  # 4 extents on the 256 KiB grid fill the 1 MiB file
-        sc = put(t, [f"p{s}"]).scope
+def page_keys(prefix: str, n: int) -> list[str]:
+    return [f"{prefix}-{i}" for i in range(n)]
+
+
+def test_a_round_that_cannot_fit_evicts_nothing(make_table):
+    # one 1 MiB file; a 64-page round is a 76 KiB extent (4 KiB extent header + 4 KiB round
+    # header + 64 KiB data + 4 KiB record): 13 of them pack from offset 0, 36 KiB stay free
+    t = make_table(**{"ssd.max_files": 1})
+    scopes = [put(t, page_keys(f"s{s}", 64)).scope for s in range(13)]
+    assert [sc.extents[0].offset for sc in scopes] == [s * (76 << 10) for s in range(13)]
+    for sc in scopes[1:]:  # every scope but the first (oldest) one has a reader
         assert sc.try_acquire()
-        pinned.append(sc)
-    with t.lock:
-        assert t.place_locked(["late"], [0], None, 4) is None
-    assert all(t.index.get(f"p{s}") is not None for s in range(4))
-    for sc in pinned:
+    with t.lock:  # 100 KiB: freeing the first extent (76 KiB) and the free tail (36 KiB, elsewhere) won't do
+        assert t.place_locked(page_keys("big", 88), list(range(88)), None, 88 * 4) is None
+    assert not scopes[0].retired and t.stats.snapshot()["reclaimed_scopes_ssd"] == 0  # admission before eviction
+    with t.lock:  # 76 KiB fits in the first scope's place: that one (only) is evicted
+        plc = t.place_locked(page_keys("fits", 64), list(range(64)), None, 64 * 4)
+        assert plc is not None and plc.new_extent.offset == 0 and scopes[0].retired
+        t.abort_locked(plc)
+    t.release(plc)
+    for sc in scopes[1:]:
         sc.release()
-    put(t, ["late"])
-    assert sum(sc.retired for sc in pinned) == 1
+    assert t.stats.snapshot()["reclaimed_scopes_ssd"] == 1
 
 
-def test_clear_skips_a_pinned_scope_and_drop_file_hides_it(make_table):
+def test_clear_dooms_a_pinned_scope_and_frees_it_when_its_reader_leaves(make_table):
     t = make_table()
     a, b = put(t, ["a0"]).scope, put(t, ["b0"]).scope
-    assert b.try_acquire()
+    entries = t.pin_leading_run(["b0"])
     t.clear()
-    assert a.retired and not b.retired and t.index.get("b0") is not None
+    assert a.retired and t.index.get("a0") is None
+    assert t.index.get("b0") is None and b.doomed and not b.retired  # hidden now, bytes kept for the reader
+    used = t.ssd.used_bytes
+    t.unpin(entries)
+    assert b.retired and t.ssd.used_bytes == used - b.nbytes == 0
+
+
+def test_drop_file_drops_its_scopes_and_a_pinned_one_later(make_table):
+    t = make_table()
+    b = put(t, ["b0"]).scope
+    assert b.try_acquire()
     with t.lock:
         t.drop_file_scopes_locked(b.extents[0].file_index)
-    assert t.index.get("b0") is None and b.extents == [] and not b.retired
+    assert t.index.get("b0") is None and b.extents == [] and b.doomed
     b.release()
+    assert not b.retired  # a plain release does not free; the store unpins through the table
+    with t.lock:
+        assert t.free_scope_locked(b)

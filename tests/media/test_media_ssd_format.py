@@ -10,24 +10,39 @@ from flatcake_testkit import make_store, put_pages
 from flatcake.align import align_up
 from flatcake.config import SsdConfig
 from flatcake.media import extent as fmt
-from flatcake.media.ssd import Extent, SsdFilePool, SsdStartupError, probe_direct_io
+from flatcake.media.directio import probe_direct_io
+from flatcake.media.errors import SsdStartupError
+from flatcake.media.ssd import Extent, SsdFilePool
 
 
-def test_allocator_places_at_midpoint_grows_in_place_and_coalesces(tmp_path):
+def test_allocator_packs_best_fit_grows_in_place_and_coalesces(tmp_path):
     pool = SsdFilePool(SsdConfig(path=str(tmp_path), file_bytes=4 << 20, max_files=1), "ns")
     a = pool.allocate_locked(100_000)
-    assert a.nbytes == align_up(100_000) and a.offset % fmt.EXTENT_GRID == 0
-    assert a.offset == align_up((4 << 20) // 2 - a.nbytes // 2, fmt.EXTENT_GRID)  # middle of the file
-    b = pool.try_extend_locked(a, 8192)
-    assert b == Extent(0, a.offset, a.nbytes + 8192)
+    assert (a.file_index, a.offset, a.nbytes) == (0, 0, align_up(100_000))  # packed from the start
+    b = pool.try_extend_locked(a, 8192)  # the range after it is free: grows in place
+    assert b == Extent(0, 0, a.nbytes + 8192)
     c = pool.allocate_locked(4096)
-    assert c.offset % fmt.EXTENT_GRID == 0 and not (c.offset < b.end and b.offset < c.end)
-    assert pool.used_bytes == b.nbytes + c.nbytes
-    pool.free_locked(b)
-    pool.free_locked(c)
+    assert c.offset == b.end  # the next extent packs right after
+    assert pool.try_extend_locked(b, 4096) is None  # no longer free after b
+    d = pool.allocate_locked(8192)
+    pool.free_locked(c)  # a 4 KiB hole between b and d
+    e = pool.allocate_locked(4096)
+    assert e.offset == c.offset  # best fit: the hole, not the large tail
+    assert pool.used_bytes == b.nbytes + d.nbytes + e.nbytes
+    for x in (b, d, e):
+        pool.free_locked(x)
     assert pool.used_bytes == 0
     assert pool.free_ranges(0) == [(0, 4 << 20)]  # fully coalesced
     assert pool.allocate_locked(8 << 20) is None  # larger than a file
+    pool.close()
+
+
+def test_small_extents_fill_the_pool_before_allocation_fails(tmp_path):
+    pool = SsdFilePool(SsdConfig(path=str(tmp_path), file_bytes=1 << 20, max_files=2), "ns")
+    n = 0
+    while pool.allocate_locked(12 << 10) is not None:
+        n += 1
+    assert n == 2 * ((1 << 20) // (12 << 10)) and pool.used_fraction() > 0.98
     pool.close()
 
 
@@ -64,11 +79,17 @@ def test_header_and_record_round_trip():
     assert fmt.unpack_extent_header(bytes(bad)) is None
     keys = ["a" * 64, "b" * 64, "c"]
     sums = np.arange(6, dtype=np.uint64).reshape(2, 3)
-    rec = fmt.pack_record("ns", keys, 2, 512, sums)
+    rec = fmt.pack_record("ns", keys, 2, 512, sums, scope_id=7, seq=3, nonce=0xABC)
     r = fmt.unpack_record(rec + b"\0" * 100)
     assert r.keys == tuple(keys) and r.layers == 2 and r.chunk_bytes == 512
+    assert (r.scope_id, r.seq, r.nonce) == (7, 3, 0xABC)
     assert r.ns_digest == fmt.namespace_digest("ns") and np.array_equal(r.checksums, sums)
     assert fmt.unpack_record(rec[:-1] + bytes([rec[-1] ^ 1])) is None  # torn
+    lay = fmt.round_layout(keys, 2, 512)
+    hdr = fmt.unpack_round_header(fmt.pack_round_header(lay, 3, 7, 0xABC))
+    assert (hdr.layout, hdr.seq, hdr.scope_id, hdr.nonce) == (lay, 3, 7, 0xABC) and r.matches(hdr)
+    other = fmt.unpack_round_header(fmt.pack_round_header(lay, 3, 7, 0xABD))  # same place, another round
+    assert not r.matches(other)
 
 
 def test_on_disk_extent_is_self_describing(ssd_dir):
@@ -90,9 +111,10 @@ def test_on_disk_extent_is_self_describing(ssd_dir):
         parsed = fmt.unpack_round_header(data[off : off + fmt.BLOCK])
         if parsed is None:
             break
-        lay, seq, sid = parsed
+        lay, seq, sid = parsed.layout, parsed.seq, parsed.scope_id
         rec = fmt.unpack_record(data[off + lay.record_offset : off + lay.total_bytes])
         assert rec is not None and sid == scope.scope_id and rec.ns_digest == fmt.namespace_digest(store.namespace)
+        assert rec.matches(parsed)
         for p, k in enumerate(rec.keys):
             for layer in range(rec.layers):
                 o = off + lay.chunk_offset(p, layer)

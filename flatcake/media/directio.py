@@ -1,0 +1,99 @@
+"""Direct-I/O helpers shared by the SSD pool, FC-CIO, the benchmarks and the replay (paper §3.3).
+
+* :func:`probe_direct_io` — does a directory's filesystem take 4 KiB-aligned O_DIRECT? The SSD
+  pool runs it once at start-up and hands the answer to FC-CIO.
+* :func:`drop_page_cache` — evict a file from the page cache, so a benchmark reads the device.
+* :func:`aligned_host_buffer` — a page-aligned host buffer (numpy and torch views) for O_DIRECT
+  and GDS-compatible transfers; :class:`AlignedBuffer` — a reusable, growable one for writes.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import threading
+
+import numpy as np
+import torch
+
+from flatcake.align import ALIGN, align_up
+
+
+def drop_page_cache(path: str, sync: bool = True) -> bool:
+    """Evict ``path`` from the OS page cache (after ``fdatasync`` when ``sync``), so the next
+    read of it comes from the device. Used by benchmarks and the replay to measure cold reads.
+    Returns False if the file cannot be opened."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        if sync:
+            os.fdatasync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        return True
+    finally:
+        os.close(fd)
+
+
+def probe_direct_io(directory: str) -> bool:
+    """True if ``directory``'s filesystem accepts 4 KiB-aligned O_DIRECT reads and writes."""
+    if not hasattr(os, "O_DIRECT"):
+        return False
+    path = os.path.join(directory, f".fc-odirect-probe-{os.getpid()}-{threading.get_ident()}")
+    buf = aligned_host_buffer(ALIGN)[1]
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)
+    except OSError:
+        return False
+    try:
+        buf[:] = ord("F")
+        os.pwritev(fd, [buf], 0)
+        return os.preadv(fd, [buf], 0) == ALIGN
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+
+
+def aligned_host_buffer(nbytes: int) -> tuple[torch.Tensor, np.ndarray, mmap.mmap]:
+    """Page-aligned host buffer of ``nbytes`` bytes (anonymous ``mmap``, zero-filled).
+
+    Returns:
+        ``(tensor, array, mapping)``: a uint8 CPU tensor ``[nbytes]`` and a uint8 numpy array
+        ``[nbytes]`` sharing the mapping's memory (address ≡ 0 mod 4096); keep ``mapping``
+        alive as long as either view is used.
+
+    Raises:
+        ValueError: ``nbytes`` not a positive multiple of 4096.
+    """
+    if nbytes <= 0 or nbytes % ALIGN:
+        raise ValueError(f"staging buffer size must be a positive multiple of {ALIGN}, got {nbytes}")
+    m = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    arr = np.frombuffer(m, dtype=np.uint8)
+    t = torch.from_numpy(arr)
+    if t.data_ptr() % ALIGN:
+        raise RuntimeError("mmap returned a buffer that is not 4 KiB aligned")
+    return t, arr, m
+
+
+class AlignedBuffer:
+    """A page-aligned, reusable host buffer (anonymous mmap), grown on demand."""
+
+    def __init__(self, nbytes: int = 0):
+        self._mm: mmap.mmap | None = None
+        self.nbytes = 0
+        if nbytes:
+            self.reserve(nbytes)
+
+    def reserve(self, nbytes: int) -> memoryview:
+        """A writable view of at least ``nbytes`` (rounded to 4 KiB), reusing the mapping."""
+        n = align_up(max(nbytes, ALIGN))
+        if n > self.nbytes:
+            self._mm = aligned_host_buffer(n)[2]  # the old mapping is freed once no view holds it
+            self.nbytes = n
+        return memoryview(self._mm)[:n]
