@@ -10,8 +10,9 @@ TORCH_PIN ?= torch==2.13.0
 # on machines without a local CPU wheel (PyPI's Linux torch 2.13.0 is a CUDA build)
 TORCH_PIP_ARGS ?=
 STAMP := $(VENV)/.flatcake-installed
+SOAK_SECONDS ?= 30
 
-.PHONY: venv demo test bench clean
+.PHONY: venv demo test soak bench clean
 
 venv: $(STAMP)
 
@@ -34,6 +35,9 @@ demo: venv
 
 test: venv
 	TRITON_INTERPRET=1 $(VPY) -m pytest -q tests
+
+soak: venv
+	$(VPY) scripts/soak.py --seconds $(SOAK_SECONDS) --restarts 2 --json runs/soak/soak.json
 
 bench: venv
 	$(VPY) scripts/bench_restore.py

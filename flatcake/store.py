@@ -6,17 +6,18 @@ A short facade that composes the parts, each in its own module:
 part                            job
 =============================== ================================================================
 :class:`~flatcake.gva.scopes.ScopeTable`     decides: scopes, placement (Table 2), space, publish, reclaim
+:class:`~flatcake.backup.Backup`             a put's rounds: claims, placement, write, commit, write faults
 :class:`~flatcake.write_path.WritePath`      moves bytes in: DRAM slot writes, SSD rounds, extent headers
 :class:`~flatcake.read_path.ReadPath`        moves bytes out: DRAM copies, SSD restores through FC-CIO
 :class:`~flatcake.gva.mirror.FollowerMirror` MLA follower ranks: mirrors the writer's journal
 :class:`~flatcake.stats.StoreStats`          the one stats object every part adds to
 =============================== ================================================================
 
-Lifecycle of a write (:meth:`PageStore.put`)::
+Lifecycle of a write (:meth:`PageStore.put`, :mod:`flatcake.backup`)::
 
-    skip keys already stored -> split into rounds (<= 128 pages) -> per round:
+    claim the new keys -> split into rounds (<= 128 pages) -> per round:
     place (writer lock: scope, medium, space) -> write (no lock) -> commit (writer lock:
-    publish) | abort (give the space back) -> unpin -> reclaim whole scopes above the watermark
+    journal, publish) | abort (give the space back) -> unpin -> reclaim above the watermark
 
 Lifecycle of a read (:meth:`PageStore.get`)::
 
@@ -30,6 +31,7 @@ import logging
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+from flatcake.backup import Backup, count_keys
 from flatcake.config import ConfigError, FlatCakeConfig
 from flatcake.errorlog import ErrorLog
 from flatcake.gate import OperationGate
@@ -40,36 +42,14 @@ from flatcake.gva.rebuild import RebuildReport, rebuild_locked
 from flatcake.gva.scopes import ScopeTable
 from flatcake.layout import KvPageLayout, PageGeometry
 from flatcake.media.dram import DramRegion
-from flatcake.media.errors import PoolFileGone, ShortWrite
-from flatcake.media.ssd import REFUSED_ERRNOS, SsdFilePool
+from flatcake.media.ssd import SsdFilePool
 from flatcake.read_path import ReadPath
 from flatcake.stats import StoreStats
 from flatcake.write_path import WritePath, max_round_pages
 
 log = logging.getLogger("flatcake.store")
 
-MAX_KEY_BYTES = 4096  # bytes of UTF-8 per page key (SGLang's are 64 hex characters)
-
 ROLES = ("single", "writer", "follower")
-
-
-def _count(keys) -> int:
-    """``len(keys)``, or 0 for something that has none (a call with no usable keys)."""
-    try:
-        return len(keys)
-    except TypeError:
-        return 0
-
-
-def valid_key(k) -> bool:
-    """True for a page key FlatCake can store: a non-empty ``str`` of at most
-    :data:`MAX_KEY_BYTES` UTF-8 bytes."""
-    if not isinstance(k, str) or not k:
-        return False
-    try:
-        return len(k.encode()) <= MAX_KEY_BYTES
-    except UnicodeEncodeError:
-        return False
 
 
 @dataclass(frozen=True)
@@ -180,6 +160,8 @@ class PageStore:
         self.cio = restore_engine
         self.writer = WritePath(g, self.namespace, cfg.node_id, self.dram, self.ssd, self.stats)
         self.reader = ReadPath(g, self.dram, self.ssd, self.cio, cfg.cio.verify_checksums, self.stats, self.errors)
+        self.backup = Backup(self.scopes, self.writer, self.reader, self.ssd, g, self.max_round_pages, self.stats,
+                             self.errors)
 
     # ================================================================ queries
     def exists(self, key: str) -> bool:
@@ -243,7 +225,7 @@ class PageStore:
             All misses once the store is closed. Never raises; I/O faults are misses, logged
             once per errno, and the failed page's scope is dropped.
         """
-        n = _count(keys)
+        n = count_keys(keys)
         if not self._gate.enter():
             return [False] * n
         try:
@@ -313,109 +295,17 @@ class PageStore:
         page (no space, I/O error) is False and nothing stored before is touched; the pages
         after an invalid key are not stored. All ``False`` once the store is closed. Never raises.
         """
-        n = _count(keys)
+        n = count_keys(keys)
         out = [False] * n
         if not self._gate.enter():
             return out
         try:
-            self._put(list(keys), layout, page_ids, prefix_keys, out)
+            self.backup.put(list(keys), layout, page_ids, prefix_keys, out)
         except Exception as e:
             self.errors("put", e)
         finally:
             self._gate.exit()
         return out
-
-    def _put(self, keys, layout, page_ids, prefix_keys, out: list[bool]) -> None:
-        """Fill ``out`` (per-page success) round by round; stops at the first failed round.
-        The new keys are claimed first, so a concurrent put of the same keys writes them once
-        (it waits, then finds them published)."""
-        n_valid = next((i for i, k in enumerate(keys) if not valid_key(k)), len(keys))
-        if n_valid < len(keys):
-            k = keys[n_valid]
-            self.errors("put", ValueError(f"invalid page key {str(k)[:80]!r} (need a str of 1..{MAX_KEY_BYTES} UTF-8 bytes)"))
-        mine = self.scopes.claims.claim(keys[:n_valid])  # the pages after an unusable key cannot be chained to it
-        try:
-            self._put_claimed(keys[:n_valid], set(mine), layout, page_ids, prefix_keys, out)
-        finally:
-            self.scopes.claims.release(mine)
-
-    def _put_claimed(self, keys, mine: set, layout, page_ids, prefix_keys, out: list[bool]) -> None:
-        todo, parent, seen, repeats = [], None, set(), []
-        for i, k in enumerate(keys):
-            if self.index.contains(k):  # same key = same page bytes (chained hash)
-                out[i] = True
-                continue
-            if k in seen:  # given twice in one call: stored with its first copy
-                repeats.append(i)
-                continue
-            if k not in mine:  # another put still holds it (it did not finish in time)
-                break
-            seen.add(k)
-            if not todo:
-                parent = keys[i - 1] if i > 0 else (prefix_keys[-1] if prefix_keys else None)
-            todo.append(i)
-        ctx0 = (len(prefix_keys) if prefix_keys else 0) * self.geometry.page_size
-        for a in range(0, len(todo), self.max_round_pages):  # rounds, each written as one unit
-            part = todo[a: a + self.max_round_pages]
-            ok = self._put_round([keys[i] for i in part], [int(page_ids[i]) for i in part], layout, parent,
-                                 ctx0 + (part[-1] + 1) * self.geometry.page_size)
-            for i in part:
-                out[i] = ok
-            if not ok:
-                break
-            parent = keys[part[-1]]
-        for i in repeats:
-            out[i] = self.index.contains(keys[i])
-
-    def _put_round(self, keys, src_pages, layout, parent, context_tokens) -> bool:
-        """Place, write and publish one round; False (nothing published) on any failure."""
-        with self.scopes.lock:
-            plc = self.scopes.place_locked(keys, src_pages, parent, context_tokens)  # pins plc.scope
-        if plc is None:
-            self.stats.add(put_failures=1)
-            return False
-        try:
-            entries = self.writer.write(plc, layout)
-        except Exception as e:
-            self.errors("write", e)
-            with self.scopes.lock:
-                self.scopes.abort_locked(plc)
-            self.scopes.release(plc)
-            if isinstance(e, PoolFileGone):
-                self._on_pool_file_gone(plc.extent_file)
-            elif isinstance(e, OSError) and e.errno in REFUSED_ERRNOS and not isinstance(e, ShortWrite) \
-                    and plc.extent_file >= 0:
-                with self.scopes.lock:  # the file refuses writes: keep writing into the others
-                    self.scopes.take_file_out_of_service_locked(plc.extent_file)
-                self.reader.forget_file(plc.extent_file)
-            self.stats.add(put_failures=1)
-            return False
-        with self.scopes.lock:
-            committed = self.scopes.commit_locked(plc, entries, parent)
-            if committed:
-                self.scopes.maybe_compact_journal_locked()
-            else:  # its scope was dropped or its file reset while the bytes were written
-                self.scopes.abort_locked(plc)
-        self.scopes.release(plc)
-        if not committed:
-            self.stats.add(put_failures=1)
-            return False
-        self.stats.add(logical_write_bytes=len(keys) * self.geometry.page_bytes)
-        self.scopes.reclaim_if_needed()
-        return True
-
-    def _on_pool_file_gone(self, file_index: int) -> None:
-        """Pool file ``file_index`` was removed behind the backend: drop every scope with an
-        extent in it (their pages are gone), close the readers' handles, start the file afresh."""
-        with self.scopes.lock:
-            self.scopes.drop_file_scopes_locked(file_index)
-            try:
-                self.reader.forget_file(file_index)  # the readers' cached fds point at the old inode
-                self.ssd.reset_file_locked(file_index)
-            except OSError as e:
-                self.errors("pool file reset", e)
-        self.errors.report("write", "pool file gone", f"pool file {self.ssd.path_of(file_index)} was removed or "
-                           "truncated behind the backend; its scopes were dropped and the file recreated")
 
     # ================================================================ follower ranks
     def _sync(self) -> None:

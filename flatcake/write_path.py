@@ -48,15 +48,28 @@ MAX_ROUND_PAGES = STORAGE_BATCH_PAGES
 _SIZING_KEY = "k" * 80
 
 
+#: a round size must let back-to-back rounds fill at least this fraction of a pool file
+MIN_FILE_FILL = 0.9
+
+
 def max_round_pages(file_bytes: int, geometry: PageGeometry) -> int:
-    """Pages of the largest round (a power of two, at most :data:`MAX_ROUND_PAGES`) whose round
-    header, data and record fit in one pool file of ``file_bytes`` bytes beside an extent header
-    and a block of slack; 0 when not even one page fits."""
-    room = file_bytes - 2 * fmt.BLOCK
+    """Pages of the largest round (at most :data:`MAX_ROUND_PAGES`) that fits one pool file of
+    ``file_bytes`` bytes with its extent header, round header and record, and whose extents,
+    packed back to back, fill at least :data:`MIN_FILE_FILL` of a file (a round of a bit more
+    than a third of a file would leave a third of every file empty); 0 when not even one page
+    fits."""
+    def extent_bytes(n: int) -> int:  # extent header + round header + data + record
+        return 2 * fmt.BLOCK + align_up(n * geometry.page_bytes) + align_up(
+            fmt.record_size([_SIZING_KEY] * n, geometry.layers))
+
     n = MAX_ROUND_PAGES
-    while n > 0 and align_up(n * geometry.page_bytes) + align_up(
-            fmt.record_size([_SIZING_KEY] * n, geometry.layers)) > room - fmt.BLOCK:
-        n //= 2
+    while n > 0 and extent_bytes(n) > file_bytes:
+        n -= 1
+    while n > 1:
+        per_file = file_bytes // extent_bytes(n)
+        if per_file * extent_bytes(n) >= MIN_FILE_FILL * file_bytes:
+            break
+        n -= 1
     return n
 
 

@@ -93,10 +93,14 @@ def test_write_into_a_removed_pool_file_raises_pool_file_gone(ssd_dir):
     store.close()
 
 
-def test_max_round_pages_fits_header_data_and_record_in_one_file():
+def test_max_round_pages_fits_a_file_and_lets_rounds_fill_it():
     g = PageGeometry(layers=4, page_size=16, plane_row_bytes=(1024, 1024))  # 128 KiB pages
     assert max_round_pages(1 << 30, g) == MAX_ROUND_PAGES
-    n = max_round_pages(4 << 20, g)
-    assert n == 16 and fmt.round_layout(["k" * 80] * n, 4, g.chunk_bytes).total_bytes + fmt.BLOCK <= 4 << 20
+    n = max_round_pages(4 << 20, g)  # 31 pages of 128 KiB + headers fit a 4 MiB file, but alone
+    ext = fmt.round_layout(["k" * 80] * n, 4, g.chunk_bytes).total_bytes + fmt.BLOCK
+    assert ext <= 4 << 20 and (4 << 20) // ext * ext >= 0.9 * (4 << 20)
+    # 512 KiB pages in 256 MiB files: 128-page rounds fit 3 a file (75%), 127-page rounds 4 (99%)
+    big = PageGeometry(layers=16, page_size=16, plane_row_bytes=(1024, 1024))
+    assert max_round_pages(256 << 20, big) == 127
     assert max_round_pages(64 << 10, g) == 0  # not even one page
 

@@ -2,8 +2,8 @@
 
 The store that writes a pool appends one fixed-size entry per event to ``{pool prefix}.journal``:
 
-* ``ROUND``  (scope id, pool file, round offset, extent offset, round bytes, sequence number,
-  nonce, reuse class) — appended *after* the round's header, data and record are written and
+* ``ROUND``  (scope id, pool file, round offset, extent offset, where the record lies in the
+  round and its size, sequence number, nonce, reuse class) — appended *after* the round's header, data and record are written and
   *before* the round is published, so every page SGLang was told is stored has its entry;
 * ``RETIRE`` (scope id) — appended before the store frees a scope's space.
 
@@ -37,8 +37,10 @@ from typing import Iterable
 
 import xxhash
 
-#: kind, file_index, scope_id, round_offset, extent_offset, nonce, round_bytes, seq, reuse
-_ENTRY = struct.Struct("<IIQQQQQII")
+#: kind, file_index, scope_id, round_offset, extent_offset, nonce, record blocks from the round's
+#: start, record blocks, seq, reuse (a block is 4 KiB)
+_ENTRY = struct.Struct("<IIQQQQIIII")
+_BLOCK = 4096
 ENTRY_BYTES = _ENTRY.size + 8
 ROUND = 1
 RETIRE = 2
@@ -58,7 +60,8 @@ class JournalEntry:
         round_offset: ``ROUND``: byte offset of the round header in that file.
         extent_offset: ``ROUND``: byte offset of the extent (its header block) holding the round.
         nonce: ``ROUND``: the round's nonce (also in its header and record).
-        round_bytes: ``ROUND``: bytes of the whole round (header, data, record).
+        record_offset: ``ROUND``: bytes from the round's start to its record (multiple of 4 KiB).
+        record_bytes: ``ROUND``: bytes of the record (multiple of 4 KiB).
         seq: ``ROUND``: the round's sequence number in its scope.
         reuse: ``ROUND``: the scope's reuse class (index into ``ReuseScope``).
     """
@@ -69,14 +72,20 @@ class JournalEntry:
     round_offset: int = 0
     extent_offset: int = 0
     nonce: int = 0
-    round_bytes: int = 0
+    record_offset: int = 0
+    record_bytes: int = 0
     seq: int = 0
     reuse: int = 0
 
+    @property
+    def round_bytes(self) -> int:
+        """Bytes of the whole round (header, data, record)."""
+        return self.record_offset + self.record_bytes
+
 
 def _pack(e: JournalEntry) -> bytes:
-    body = _ENTRY.pack(e.kind, e.file_index, e.scope_id, e.round_offset, e.extent_offset, e.nonce, e.round_bytes,
-                       e.seq, e.reuse)
+    body = _ENTRY.pack(e.kind, e.file_index, e.scope_id, e.round_offset, e.extent_offset, e.nonce,
+                       e.record_offset // _BLOCK, e.record_bytes // _BLOCK, e.seq, e.reuse)
     return body + struct.pack("<Q", xxhash.xxh3_64_intdigest(body))
 
 
@@ -88,8 +97,8 @@ def parse_entries(buf: bytes) -> list[JournalEntry]:
         body, crc = raw[: _ENTRY.size], struct.unpack("<Q", raw[_ENTRY.size :])[0]
         if xxhash.xxh3_64_intdigest(body) != crc:
             break
-        kind, f, sid, roff, eoff, nonce, rbytes, seq, reuse = _ENTRY.unpack(body)
-        out.append(JournalEntry(kind, sid, f, roff, eoff, nonce, rbytes, seq, reuse))
+        kind, f, sid, roff, eoff, nonce, rec_blocks, rec_len, seq, reuse = _ENTRY.unpack(body)
+        out.append(JournalEntry(kind, sid, f, roff, eoff, nonce, rec_blocks * _BLOCK, rec_len * _BLOCK, seq, reuse))
     return out
 
 

@@ -15,7 +15,7 @@ one-shot / overflow         turn = 1, or DRAM full                       SSD
 Rows are checked in the order *overflow, shared prompt, agent, short chat, one-shot*: DRAM
 that is full can place nothing; a shared prefix is the most valuable DRAM content; a long
 context is an agent session even in a later turn. How the store derives the signals from
-SGLang's page-key chain is in :mod:`flatcake.store`.
+SGLang's page-key chain is in :mod:`flatcake.gva.signals`.
 """
 
 from __future__ import annotations

@@ -20,11 +20,14 @@ DRAM pages are not recovered (the DRAM region does not outlive the process).
 
 from __future__ import annotations
 
+import os
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Optional
 
+from flatcake.align import align_up
 from flatcake.errorlog import ErrorLog
 from flatcake.gva.address import MEDIUM_SSD, encode_gva
 from flatcake.gva.index import GvaIndex, PageEntry
@@ -32,6 +35,7 @@ from flatcake.gva.journal import RETIRE, ROUND, JournalEntry, read_journal
 from flatcake.gva.placement import reuse_of
 from flatcake.layout import PageGeometry
 from flatcake.media import extent as fmt
+from flatcake.media.directio import aligned_host_buffer
 from flatcake.media.ssd import Extent, SsdFilePool
 
 #: threads reading round headers and records at start-up
@@ -73,32 +77,34 @@ def live_rounds(entries: list[JournalEntry]) -> dict[int, list[JournalEntry]]:
     return scopes
 
 
-def read_round(ssd: SsdFilePool, e: JournalEntry, ns_digest: bytes, geometry: PageGeometry) -> Optional[fmt.RoundRecord]:
+def read_round(ssd: SsdFilePool, e: JournalEntry, ns_digest: bytes, geometry: PageGeometry,
+               read=None) -> Optional[fmt.RoundRecord]:
     """The record of the round journal entry ``e`` points at, if that round is intact and is the
     one the entry names; else None.
 
-    Reads the 4 KiB round header and the record only. Checks: header and record validate
-    (xxh3), agree with each other and with ``e`` (scope id, sequence number, nonce, round
-    bytes), have this store's geometry, and the record names this namespace.
+    Reads the record only — one read, at the offset the entry gives, through
+    ``read(file, offset, nbytes)`` (default :meth:`SsdFilePool.read_at`); never the data. The
+    record carries everything the round header does: it must validate (xxh3-64), name this
+    namespace, and agree with ``e`` (scope id, sequence number, nonce) and with this store's
+    geometry, and its page count must give exactly the data size that puts the record where
+    the entry says. The round's data is checked later, by each read (``verify=True``).
 
     Raises:
         OSError: the pool file cannot be read (a missing file is a plain None).
     """
-    if e.file_index >= ssd.max_files or e.round_offset + fmt.BLOCK > ssd.file_bytes:
+    end = e.round_offset + e.round_bytes
+    if e.file_index >= ssd.max_files or end > ssd.file_bytes or e.record_bytes <= 0:
         return None
+    read = read or ssd.read_at
     try:
-        hdr = fmt.unpack_round_header(ssd.read_at(e.file_index, e.round_offset, fmt.BLOCK))
+        rec = fmt.unpack_record(read(e.file_index, e.round_offset + e.record_offset, e.record_bytes))
     except FileNotFoundError:
         return None
-    if hdr is None or (hdr.scope_id, hdr.seq, hdr.nonce) != (e.scope_id, e.seq, e.nonce):
+    if rec is None or rec.ns_digest != ns_digest or (rec.scope_id, rec.seq, rec.nonce) != (e.scope_id, e.seq, e.nonce):
         return None
-    lay = hdr.layout
-    if (lay.layers, lay.chunk_bytes) != (geometry.layers, geometry.chunk_bytes) or lay.total_bytes != e.round_bytes:
-        return None
-    if e.round_offset + lay.total_bytes > ssd.file_bytes:
-        return None
-    rec = fmt.unpack_record(ssd.read_at(e.file_index, e.round_offset + lay.record_offset, lay.record_bytes))
-    if rec is None or rec.ns_digest != ns_digest or not rec.matches(hdr):
+    lay = fmt.round_layout(rec.keys, rec.layers, rec.chunk_bytes)
+    if (rec.layers, rec.chunk_bytes) != (geometry.layers, geometry.chunk_bytes) or \
+            (lay.record_offset, lay.record_bytes) != (e.record_offset, e.record_bytes):
         return None
     return rec
 
@@ -110,6 +116,55 @@ def round_entries(rec: fmt.RoundRecord, e: JournalEntry, scope, ssd: SsdFilePool
     gen = ssd.generation_of(e.file_index)
     return [PageEntry(encode_gva(MEDIUM_SSD, node, base + p * cb), scope, n * cb, rec.checksums[:, p].copy(), True, gen)
             for p in range(n)]
+
+
+def _read_rounds(ssd: SsdFilePool, flat: list[JournalEntry], digest: bytes, geometry: PageGeometry,
+                 errors: ErrorLog) -> dict[int, Optional[fmt.RoundRecord]]:
+    """``id(entry) -> record or None`` for every entry: headers and records read by
+    :data:`REBUILD_THREADS` threads in file-offset order, through one descriptor per file."""
+    fds: dict[int, int] = {}
+    direct = os.O_DIRECT if ssd.direct_io and hasattr(os, "O_DIRECT") else 0
+    for f in sorted({e.file_index for e in flat}):
+        try:
+            fds[f] = os.open(ssd.path_of(f), os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | direct)
+        except OSError:
+            pass  # a missing file: its rounds are dropped
+    local = threading.local()
+
+    def read(f: int, off: int, n: int) -> bytes:
+        """``n`` bytes at ``off`` (4 KiB aligned: headers and records are) with O_DIRECT when the
+        filesystem takes it: no read-ahead of the data around them."""
+        fd = fds.get(f)
+        if fd is None:
+            raise FileNotFoundError(f)
+        if not direct:
+            return os.pread(fd, n, off)
+        buf = getattr(local, "buf", None)
+        if buf is None or len(buf) < n:
+            buf = local.buf = aligned_host_buffer(align_up(max(n, 64 << 10)))[1]
+        got = os.preadv(fd, [buf[:n]], off)
+        return buf[:got].tobytes()
+
+    def part(es: list[JournalEntry]) -> list[Optional[fmt.RoundRecord]]:
+        out = []
+        for e in es:
+            try:
+                out.append(read_round(ssd, e, digest, geometry, read))
+            except OSError as err:
+                errors("rebuild read", err)
+                out.append(None)
+        return out
+
+    order = sorted(flat, key=lambda e: (e.file_index, e.round_offset))
+    step = max(64, -(-len(order) // (4 * REBUILD_THREADS)))
+    parts = [order[i: i + step] for i in range(0, len(order), step)]
+    try:
+        with ThreadPoolExecutor(max_workers=REBUILD_THREADS) as ex:
+            recs = [r for rs in ex.map(part, parts) for r in rs]
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    return dict(zip(map(id, order), recs))
 
 
 def _claim_extents(ssd: SsdFilePool, rounds: list[tuple[JournalEntry, fmt.RoundRecord]]) -> Optional[list[Extent]]:
@@ -152,15 +207,7 @@ def rebuild_locked(index: GvaIndex, ssd: SsdFilePool, namespace: str, geometry: 
     flat = [e for es in scopes.values() for e in es]
     digest = fmt.namespace_digest(namespace)
 
-    def one(e: JournalEntry):
-        try:
-            return read_round(ssd, e, digest, geometry)
-        except OSError as err:
-            errors("rebuild read", err)
-            return None
-
-    with ThreadPoolExecutor(max_workers=REBUILD_THREADS) as ex:
-        recs = dict(zip(map(id, flat), ex.map(one, flat)))
+    recs = _read_rounds(ssd, flat, digest, geometry, errors)
     rounds = scopes_dropped = pages = 0
     order = list(scopes.items())[::-1]  # newest first: a stale older scope loses its overlapping space
     now = time.monotonic()

@@ -15,23 +15,8 @@ Lifecycle of a round of pages (writer lock = :attr:`ScopeTable.lock`)::
     release        unpin the scope
     reclaim        above a high watermark, free the least recently used unpinned scopes whole
 
-Session scope and turn from the key chain (SGLang passes ``extra_info.prefix_keys`` when
-``hicache_storage_pass_prefix_keys`` is true; every key already hashes its whole prefix):
-
-* the *parent* of a round is the key just before its first page (the previous key in the
-  call, else ``prefix_keys[-1]``);
-* a round whose parent is a scope's tail joins that scope (same medium; later turns of a
-  session stay together); any other round opens a new scope, inheriting the parent scope's
-  turn if the parent is stored;
-* a hit query whose stored run ends on a scope's tail and continues with new keys is a new
-  request of that session: the scope's turn is incremented (:meth:`ScopeTable.note_hit_query`);
-* "reply tokens" is measured as tokens appended to the scope in the current turn (SGLang's
-  backend cannot tell prompt from reply pages);
-* prefix reference count = hit queries that asked for a page before it was written, the
-  writer included (:class:`~flatcake.gva.signals.InterestCounter`).
-
-A DRAM scope whose next round is placed on SSD (context grew past ``L_agent``, or DRAM full)
-continues in a new SSD scope; pages already written never move.
+How the session scope, its turn and the other Table 2 signals come from SGLang's key chain:
+:mod:`flatcake.gva.signals`.
 """
 
 from __future__ import annotations
@@ -217,7 +202,7 @@ class ScopeTable:
         return scope
 
     def place_locked(self, keys: Sequence[str], src_pages: Sequence[int], parent: Optional[str],
-                     context_tokens: int) -> Optional[Placement]:
+                     context_tokens: int, evict: bool = True) -> Optional[Placement]:
         """Choose the scope and medium of a round and reserve its space. Writer lock held.
 
         Args:
@@ -225,6 +210,8 @@ class ScopeTable:
             src_pages: their page ids in the source layout.
             parent: the key just before the round's first page, or ``None`` at the root.
             context_tokens: tokens of context up to the end of the round.
+            evict: free whole scopes when no free range holds the round (and freeing makes it
+                fit); with False the placement just fails (the caller may split the round).
 
         Returns:
             A :class:`Placement` whose scope is pinned, or ``None`` (logged) when the round
@@ -252,15 +239,16 @@ class ScopeTable:
         prev_tail = scope.tail_offset
         if lay.total_bytes + fmt.BLOCK <= self.ssd.file_bytes:  # else no extent could ever hold it
             try:
-                where = self._ssd_space_locked(scope, lay.total_bytes)
+                where = self._ssd_space_locked(scope, lay.total_bytes, evict)
             except BaseException:
                 scope.release()
                 raise
         if where is None:
             scope.release()
             self._forget_if_empty_locked(scope)
-            self.errors.report("put", "SSD pool full", f"{self.ssd.used_bytes} bytes used, nothing evictable "
-                               f"makes room for {n} pages; the put fails")
+            if evict:
+                self.errors.report("put", "SSD pool full", f"{self.ssd.used_bytes} bytes used, nothing evictable "
+                                   f"makes room for {n} pages; the put fails")
             return None
         f, off, new_ext, ext_off = where
         seq = scope.round_seq
@@ -269,7 +257,8 @@ class ScopeTable:
                          new_extent=new_ext, extent_seq=len(scope.extents) - 1, prev_tail=prev_tail,
                          nonce=fmt.new_nonce(), extent_offset=ext_off, generation=self.ssd.generation_of(f))
 
-    def _ssd_space_locked(self, scope: SessionScope, nbytes: int) -> Optional[tuple[int, int, Optional[Extent], int]]:
+    def _ssd_space_locked(self, scope: SessionScope, nbytes: int,
+                          evict: bool = True) -> Optional[tuple[int, int, Optional[Extent], int]]:
         """Reserve ``nbytes`` at the scope's tail: in its last extent, by growing it in place,
         or in a new extent (whose header block comes first). Reclaims when the pool is full.
 
@@ -294,6 +283,8 @@ class ScopeTable:
                 return ext.file_index, off, None, ext.offset
         need = nbytes + fmt.BLOCK
         ext = self.ssd.allocate_locked(need)
+        if ext is None and not evict:
+            return None
         if ext is None:  # admission before eviction: evict only if that makes the round fit
             freeable = [x for sc in self.index.scopes.values()
                         if sc is not scope and sc.medium == MEDIUM_SSD and sc.refcount == 0 and not sc.retired
@@ -322,8 +313,9 @@ class ScopeTable:
                 plc.medium == MEDIUM_SSD and self.ssd.generation_of(plc.extent_file) != plc.generation):
             return False
         if plc.medium == MEDIUM_SSD:
+            lay = plc.layout
             e = JournalEntry(ROUND, scope.scope_id, plc.extent_file, plc.round_offset, plc.extent_offset, plc.nonce,
-                             plc.layout.total_bytes, plc.seq, reuse_code(scope.reuse))
+                             lay.record_offset, lay.record_bytes, plc.seq, reuse_code(scope.reuse))
             scope.rounds.append(e)
             self.live_rounds += 1
             self._journal(e)

@@ -8,6 +8,24 @@ SGLang's backend sees only page keys, so two Table 2 signals come from the hit q
 * :class:`RequeryFilter` — SGLang re-issues a request's hit query (a prefetch retried or
   re-queued); a re-issued query must count once, or one retry would turn a one-shot prompt
   into a "shared" one and make a first turn look like a later one.
+
+Session scope and turn from the key chain (SGLang passes ``extra_info.prefix_keys`` when
+``hicache_storage_pass_prefix_keys`` is true; every key already hashes its whole prefix):
+
+* the *parent* of a round is the key just before its first page (the previous key in the
+  call, else ``prefix_keys[-1]``);
+* a round whose parent is a scope's tail joins that scope (same medium; later turns of a
+  session stay together); any other round opens a new scope, inheriting the parent scope's
+  turn if the parent is stored;
+* a hit query whose stored run ends on a scope's tail and continues with new keys is a new
+  request of that session: the scope's turn is incremented (:meth:`~flatcake.gva.scopes.ScopeTable.note_hit_query`);
+* "reply tokens" is measured as tokens appended to the scope in the current turn (SGLang's
+  backend cannot tell prompt from reply pages);
+* prefix reference count = hit queries that asked for a page before it was written, the
+  writer included (:class:`InterestCounter`).
+
+A DRAM scope whose next round is placed on SSD (context grew past ``L_agent``, or DRAM full)
+continues in a new SSD scope; pages already written never move.
 """
 
 from __future__ import annotations

@@ -289,6 +289,14 @@ class SsdFilePool:
         self.used_bytes += n
         return Extent(f, start, n)
 
+    def largest_free_range(self) -> int:
+        """Bytes of the largest free range over the files in service (a file this pool may
+        still create counts as one free range of ``file_bytes``)."""
+        best = max((fr.largest() for fr in self._free.values()), default=0)
+        if len(self._free) + len(self.out_of_service) < self.max_files and self._may_create():
+            best = max(best, self.file_bytes)
+        return best
+
     def fits_after_freeing_locked(self, nbytes: int, freeable: list[Extent]) -> bool:
         """Whether an extent of ``nbytes`` could be allocated once the ``freeable`` extents are
         freed (admission before eviction): a free range, or one a new file would give."""

@@ -133,7 +133,8 @@ def replay_settings(cfg: FlatCakeConfig, args: argparse.Namespace, config_dir: P
     if s["trace"] is None:
         raise ConfigError("replay.trace: no trace given (use --trace PATH or replay.trace)")
     if not Path(s["trace"]).exists():
-        raise ConfigError(f"replay.trace: not found: {s['trace']}")
+        raise ConfigError(f"replay.trace: not found: {s['trace']} (the public traces live in the shared/ folder "
+                          "beside the repository: ../shared/traces/; give another path with --trace PATH)")
     if Path(s["out"]).exists() and not Path(s["out"]).is_dir():
         raise ConfigError(f"replay.out: not a directory: {s['out']}")
     return s

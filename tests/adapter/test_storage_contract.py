@@ -356,12 +356,13 @@ def test_pool_removed_behind_the_backend_stops_hits_and_recovers(make_backend):
 
 
 def test_oversized_round_fails_without_reclaiming_anything(make_backend):
-    be, pool = make_backend(extra={"ssd.file_bytes": 512 << 10, "ssd.max_files": 1})
-    write_pages(be, pool, ["keep0", "keep1"], [0, 1])
-    # 128 legal 4000-byte keys: their round's record alone (~512 KiB) cannot fit a 512 KiB file
-    keys = [f"{'k' * 3990}{i:04d}" for i in range(128)]
-    got = be.batch_set_v1(keys, torch.arange(128 * pool.page_size) % (60 * pool.page_size))
-    assert got == [False] * 128
+    be, pool = make_backend(extra={"ssd.file_bytes": 16 << 10, "ssd.max_files": 1, "ssd.high_watermark": 1.0,
+                                   "ssd.low_watermark": 0.9})
+    write_pages(be, pool, ["keep0", "keep1"], [0, 1])  # 16 KiB: extent and round headers, data, record
+    # legal 4054-byte keys: even a one-page round's record (8 KiB) makes its extent 20 KiB > 16 KiB
+    keys = [f"{'k' * 4050}{i:04d}" for i in range(8)]
+    got = be.batch_set_v1(keys, torch.arange(8 * pool.page_size) % (60 * pool.page_size))
+    assert got == [False] * 8
     assert be.batch_exists(["keep0", "keep1"]) == 2  # nothing was reclaimed for a hopeless put
     assert be.flatcake_stats()["reclaimed_scopes_ssd"] == 0
 
