@@ -91,3 +91,24 @@ def two_requests_share(query, keys) -> None:
     prompt. (The same request's query re-issued would count once.)"""
     for req in ("req-a", "req-b"):
         query(list(keys) + [f"{keys[-1]}+{req}"])
+
+
+def slow_read_in_background(be, pool, keys, pages, delay_s: float = 0.3):
+    """Start ``be.batch_get_v1(keys, pages)`` on a thread whose FC-CIO restore takes ``delay_s``
+    longer; returns ``(thread, results)`` once the read is inside the restore (its scopes pinned)."""
+    import threading
+    import time
+
+    started, results = threading.Event(), []
+    real = be.store.cio.restore
+
+    def slow_restore(*a, **k):
+        started.set()
+        time.sleep(delay_s)
+        return real(*a, **k)
+
+    be.store.cio.restore = slow_restore
+    t = threading.Thread(target=lambda: results.append(be.batch_get_v1(keys, slots_of(pool, pages))))
+    t.start()
+    started.wait(5)
+    return t, results

@@ -7,7 +7,8 @@ import threading
 
 import pytest
 import torch
-from flatcake_testkit import fill_page, page_matches, slots_of, storage_config, two_requests_share, write_pages
+from flatcake_testkit import (fill_page, page_matches, slots_of, slow_read_in_background, storage_config,
+                              two_requests_share, write_pages)
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageExtraInfo
 
 from flatcake.adapter.storage import FlatCakeStorage
@@ -316,20 +317,7 @@ def test_calls_after_close_are_misses_not_errors(make_backend):
 def test_close_waits_for_a_running_read(make_backend):
     be, pool = make_backend()
     write_pages(be, pool, ["w0", "w1"], [0, 1])
-    started, results = threading.Event(), []
-    real = be.store.cio.restore
-
-    def slow_restore(*a, **k):
-        started.set()
-        import time
-
-        time.sleep(0.3)
-        return real(*a, **k)
-
-    be.store.cio.restore = slow_restore
-    t = threading.Thread(target=lambda: results.append(be.batch_get_v1(["w0", "w1"], slots_of(pool, [4, 5]))))
-    t.start()
-    started.wait(5)
+    t, results = slow_read_in_background(be, pool, ["w0", "w1"], [4, 5])
     be.close()
     t.join(10)
     assert results == [[True, True]]

@@ -6,11 +6,9 @@ from __future__ import annotations
 import errno
 import os
 import random
-import threading
-import time
 
 import pytest
-from flatcake_testkit import make_pool, page_matches, slots_of, storage_config, write_pages
+from flatcake_testkit import make_pool, page_matches, slots_of, slow_read_in_background, storage_config, write_pages
 
 from flatcake.adapter.storage import FlatCakeStorage
 from flatcake.cio.engines import EngineUnavailableError
@@ -72,18 +70,7 @@ def test_detach_then_attach_in_the_same_process_serves_the_pool_again(ssd_dir):
 def test_clear_while_a_read_is_in_flight_retires_the_session_when_the_read_returns(make_backend):
     be, pool = make_backend()
     write_pages(be, pool, ["c0", "c1"], [0, 1])
-    started, results = threading.Event(), []
-    real = be.store.cio.restore
-
-    def slow_restore(*a, **k):
-        started.set()
-        time.sleep(0.3)
-        return real(*a, **k)
-
-    be.store.cio.restore = slow_restore
-    t = threading.Thread(target=lambda: results.append(be.batch_get_v1(["c0", "c1"], slots_of(pool, [4, 5]))))
-    t.start()
-    started.wait(5)
+    t, results = slow_read_in_background(be, pool, ["c0", "c1"], [4, 5])
     be.clear()
     assert be.batch_exists(["c0", "c1"]) == 0  # not promised any more, while the read goes on
     t.join(10)

@@ -72,3 +72,23 @@ def test_a_follower_that_dropped_a_session_after_a_failed_read_mirrors_its_next_
     got = f.batch_get_v1(keys[2:], slots_of(fpool, [12, 13]))
     assert got == [True] * n and n == 2  # promised only what it can read, and reads it
     assert all(page_matches(fpool, (12 + i) * fpool.page_size, k) for i, k in enumerate(keys[2:]))
+
+
+def test_a_follower_that_starts_late_replays_only_the_live_rounds(make_backend, monkeypatch):
+    monkeypatch.setattr("flatcake.gva.scopes.COMPACT_MIN_ENTRIES", 16)
+    w, wpool = make_backend(mla=True, tp_rank=0, tp_size=2,
+                            extra={"ssd.file_bytes": 256 << 10, "ssd.max_files": 1, "ssd.high_watermark": 0.5,
+                                   "ssd.low_watermark": 0.3})
+    for s in range(80):  # far more rounds than stay live: reclaim retires most of them
+        write_pages(w, wpool, [f"h{s}"], [s % 32])
+    live = w.store.scopes.live_rounds
+    assert live < 20
+    f, fpool = make_backend(mla=True, tp_rank=1, tp_size=2)  # starts now
+    polled = []
+    real_poll = f.store.mirror.journal.poll
+    f.store.mirror.journal.poll = lambda: (lambda r: polled.append(len(r[1])) or r)(real_poll())
+    keys = [k for sc in w.store.index.scopes.values() for k in sc.keys]
+    assert f.batch_exists(keys[-1:]) == 1
+    assert polled[0] <= 2 * live + 16 + 2  # the compacted journal, not 80 rounds of history
+    got = f.batch_get_v1(keys[-1:], slots_of(fpool, [40]))
+    assert got == [True] and page_matches(fpool, 40 * fpool.page_size, keys[-1])
