@@ -162,7 +162,7 @@ class Backup:
             self.stats.add(put_failures=1)
             return False
         self.stats.add(logical_write_bytes=len(keys) * self.geometry.page_bytes)
-        self.scopes.reclaim_if_needed()
+        self.scopes.reclaim_if_needed(exclude=plc.scope)
         return True
 
     def _on_pool_file_gone(self, file_index: int) -> None:

@@ -33,7 +33,7 @@ from flatcake.align import align_up
 from flatcake.config import STORAGE_BATCH_PAGES
 from flatcake.gva.address import MEDIUM_DRAM, MEDIUM_SSD, encode_gva
 from flatcake.gva.index import PageEntry
-from flatcake.gva.scopes import Placement
+from flatcake.gva.placement import Placement
 from flatcake.layout import KvPageLayout, PageGeometry
 from flatcake.media import extent as fmt
 from flatcake.media.dram import DramRegion

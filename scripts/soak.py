@@ -188,16 +188,18 @@ class Client:
 
 
 def recovered_sessions(run_dir: Path, limit: int = 200) -> list[list[str]]:
-    """The sessions earlier workers committed (the last line written per session)."""
+    """The sessions earlier workers committed (the last line written per session), the most
+    recently committed first (the least likely to have been evicted or cleared since)."""
     last: dict[str, list[str]] = {}
-    for p in run_dir.glob("committed-*.log"):
+    logs = sorted(run_dir.glob("committed-*.log"), key=lambda p: int(p.stem.rsplit("-", 1)[1]))
+    for p in logs:
         for line in p.read_text().splitlines():
             keys = line.split()
             if keys:
-                last[keys[0].rsplit("-", 1)[0]] = keys
-    sessions = list(last.values())
-    random.Random(1).shuffle(sessions)
-    return sessions[:limit]
+                sid = keys[0].rsplit("-", 1)[0]
+                last.pop(sid, None)
+                last[sid] = keys
+    return list(last.values())[::-1][:limit]
 
 
 def worker(args) -> int:

@@ -53,12 +53,14 @@ class SessionScope:
         doomed: cleared or dropped while a reader pinned it: unpublished already, freed when
             its last pin goes (:meth:`~flatcake.gva.scopes.ScopeTable.unpin`).
         last_used_s: ``time.monotonic()`` of the last read or write (reclaim picks the oldest).
+        keep_on_disk: dropped because its pool file was taken out of service, not because its
+            bytes went: freeing it writes no ``RETIRE``, so a restart may serve it again.
     """
 
     __slots__ = (
         "scope_id", "medium", "reuse", "turn", "prev_turn_tokens", "cur_turn_tokens", "keys",
         "extents", "slots", "tail_key", "tail_offset", "round_seq", "rounds", "nbytes",
-        "last_used_s", "_refs", "_lock", "retired", "doomed",
+        "last_used_s", "_refs", "_lock", "retired", "doomed", "keep_on_disk",
     )
 
     def __init__(self, scope_id: int, medium: int, reuse: ReuseScope, turn: int = 1, prev_turn_tokens: Optional[int] = None):
@@ -81,6 +83,7 @@ class SessionScope:
         self._lock = threading.Lock()
         self.retired = False
         self.doomed = False
+        self.keep_on_disk = False
 
     def try_acquire(self) -> bool:
         """Pin the scope for reading/writing. False if it was retired (treat as a miss)."""

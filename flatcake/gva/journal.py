@@ -29,6 +29,7 @@ writes: they survive a process crash (kill -9), not necessarily a power loss
 
 from __future__ import annotations
 
+import errno
 import os
 import struct
 import threading
@@ -89,13 +90,18 @@ def _pack(e: JournalEntry) -> bytes:
     return body + struct.pack("<Q", xxhash.xxh3_64_intdigest(body))
 
 
-def parse_entries(buf: bytes) -> list[JournalEntry]:
-    """The complete entries at the start of ``buf``, up to the first torn or corrupt one."""
+def parse_entries(buf: bytes, skip_corrupt: bool = False) -> list[JournalEntry]:
+    """The complete entries of ``buf``: up to the first torn or corrupt one, or with
+    ``skip_corrupt`` every entry whose checksum holds (a restart reads the whole journal: one
+    flipped entry must not hide every round after it; the round it names, if any, is simply
+    not recovered)."""
     out = []
     for i in range(len(buf) // ENTRY_BYTES):
         raw = buf[i * ENTRY_BYTES : (i + 1) * ENTRY_BYTES]
         body, crc = raw[: _ENTRY.size], struct.unpack("<Q", raw[_ENTRY.size :])[0]
         if xxhash.xxh3_64_intdigest(body) != crc:
+            if skip_corrupt:
+                continue
             break
         kind, f, sid, roff, eoff, nonce, rec_blocks, rec_len, seq, reuse = _ENTRY.unpack(body)
         out.append(JournalEntry(kind, sid, f, roff, eoff, nonce, rec_blocks * _BLOCK, rec_len * _BLOCK, seq, reuse))
@@ -103,14 +109,14 @@ def parse_entries(buf: bytes) -> list[JournalEntry]:
 
 
 def read_journal(path: str) -> list[JournalEntry]:
-    """Every complete entry of the journal at ``path`` ([] if it does not exist).
+    """Every entry of the journal at ``path`` whose checksum holds ([] if it does not exist).
 
     Raises:
         OSError: the journal exists but cannot be read.
     """
     try:
         with open(path, "rb") as f:
-            return parse_entries(f.read())
+            return parse_entries(f.read(), skip_corrupt=True)
     except FileNotFoundError:
         return []
 
@@ -152,6 +158,7 @@ class JournalWriter:
             done = 0
             while done < len(data):
                 done += os.write(fd, data[done:])
+            os.fsync(fd)  # the entries are on disk before the name points at them
             os.replace(tmp, self.path)
         except BaseException:
             os.close(fd)
@@ -170,10 +177,13 @@ class JournalWriter:
         """Append one entry (one ``write`` of 64 bytes on an ``O_APPEND`` fd).
 
         Raises:
-            OSError: the write failed.
+            OSError: the write failed or stopped short (``EIO``; the journal then holds a torn
+                entry, and the caller rewrites it before the next append).
         """
         with self._lock:
-            os.write(self._fd, _pack(e))
+            n = os.write(self._fd, _pack(e))
+            if n != ENTRY_BYTES:
+                raise OSError(errno.EIO, f"short journal write ({n} of {ENTRY_BYTES} bytes)", self.path)
             self.entries += 1
 
     def close(self) -> None:

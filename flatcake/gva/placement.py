@@ -22,9 +22,15 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
 
 from flatcake.config import PlacementConfig
 from flatcake.gva.address import MEDIUM_DRAM, MEDIUM_SSD
+
+if TYPE_CHECKING:
+    from flatcake.gva.index import SessionScope
+    from flatcake.media.extent import RoundLayout
+    from flatcake.media.ssd import Extent
 
 
 class ReuseScope(str, enum.Enum):
@@ -103,3 +109,48 @@ class PlacementPolicy:
         if s.turn <= 1:
             return PlacementDecision(MEDIUM_SSD, ReuseScope.ONE_SHOT, "turn 1")
         return PlacementDecision(MEDIUM_SSD, ReuseScope.ONE_SHOT, f"turn {s.turn}, previous reply {s.prev_reply_tokens} long")
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Where one round of pages goes: the scope table's answer to the write path.
+
+    Attributes:
+        scope: the session scope the round joins (pinned until :meth:`ScopeTable.release`).
+        keys: the round's page keys, in order.
+        src_pages: page ids of the round's pages in the source layout (host pool).
+        slots: DRAM slot numbers, one per page (DRAM rounds), else ``None``.
+        extent_file: SSD pool file of the round (SSD rounds), else -1.
+        round_offset: SSD: byte offset of the round header in ``extent_file``.
+        layout: SSD: the round's byte layout (header | layer-major data | record).
+        seq: SSD: the round's sequence number inside its scope.
+        new_extent: SSD: the extent this round opens, whose 4 KiB extent header the write path
+            writes first (at ``new_extent.offset``); ``None`` when the round appends to an
+            extent that already has one.
+        extent_seq: SSD: index of ``new_extent`` among the scope's extents.
+        prev_tail: SSD: the scope's tail offset before this reservation (for :meth:`ScopeTable.abort_locked`).
+        nonce: SSD: the round's random identity, written in its header, record and journal entry.
+        extent_offset: SSD: offset of the extent (its header block) that holds the round.
+        generation: SSD: the pool file's generation when the space was reserved (a write or
+            commit after the file was reset is refused).
+    """
+
+    scope: SessionScope
+    keys: list
+    src_pages: list
+    slots: Optional[list] = None
+    extent_file: int = -1
+    round_offset: int = 0
+    layout: Optional[RoundLayout] = None
+    seq: int = 0
+    new_extent: Optional[Extent] = None
+    extent_seq: int = 0
+    prev_tail: int = 0
+    nonce: int = 0
+    extent_offset: int = 0
+    generation: int = 0
+
+    @property
+    def medium(self) -> int:
+        """``MEDIUM_DRAM`` or ``MEDIUM_SSD``."""
+        return MEDIUM_DRAM if self.slots is not None else MEDIUM_SSD

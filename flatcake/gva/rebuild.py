@@ -3,10 +3,11 @@
 A store that opens a pool it wrote before (a server restart, SGLang's detach/attach in the same
 process, a crash) serves every committed SSD page again. Lifecycle::
 
-    replay the journal       ROUND entries in order; a RETIRE drops its scope's rounds
-    read headers + records   per live round: one 4 KiB header read and one record read
-                             (threads; never the data, never a directory listing);
-                             a round counts only if header and record are intact and agree with
+    replay the journal       ROUND entries in order; a RETIRE drops its scope's rounds; an
+                             entry whose checksum fails is skipped (its round is not recovered)
+    read records             per live round: one record read at the offset its entry gives
+                             (threads; never the header, never the data, never a directory
+                             listing); a round counts only if its record is intact and agrees with
                              the journal entry (scope id, sequence number, nonce, geometry,
                              namespace); a torn or overwritten round is dropped
     claim the space          newest scope first, each extent's range marked used; a scope whose
@@ -38,7 +39,7 @@ from flatcake.media import extent as fmt
 from flatcake.media.directio import aligned_host_buffer
 from flatcake.media.ssd import Extent, SsdFilePool
 
-#: threads reading round headers and records at start-up
+#: threads reading round records at start-up
 REBUILD_THREADS = 8
 
 
@@ -67,11 +68,13 @@ class RebuildReport:
 
 def live_rounds(entries: list[JournalEntry]) -> dict[int, list[JournalEntry]]:
     """Scope id -> its ``ROUND`` entries in journal order, for scopes not retired afterwards
-    (the dict is ordered by each scope's first entry)."""
+    (the dict is ordered by each scope's last entry: least recently written scope first)."""
     scopes: dict[int, list[JournalEntry]] = {}
     for e in entries:
         if e.kind == ROUND:
-            scopes.setdefault(e.scope_id, []).append(e)
+            es = scopes.pop(e.scope_id, [])
+            es.append(e)
+            scopes[e.scope_id] = es
         elif e.kind == RETIRE:
             scopes.pop(e.scope_id, None)
     return scopes
@@ -120,7 +123,7 @@ def round_entries(rec: fmt.RoundRecord, e: JournalEntry, scope, ssd: SsdFilePool
 
 def _read_rounds(ssd: SsdFilePool, flat: list[JournalEntry], digest: bytes, geometry: PageGeometry,
                  errors: ErrorLog) -> dict[int, Optional[fmt.RoundRecord]]:
-    """``id(entry) -> record or None`` for every entry: headers and records read by
+    """``id(entry) -> record or None`` for every entry: records read by
     :data:`REBUILD_THREADS` threads in file-offset order, through one descriptor per file."""
     fds: dict[int, int] = {}
     direct = os.O_DIRECT if ssd.direct_io and hasattr(os, "O_DIRECT") else 0
@@ -132,7 +135,7 @@ def _read_rounds(ssd: SsdFilePool, flat: list[JournalEntry], digest: bytes, geom
     local = threading.local()
 
     def read(f: int, off: int, n: int) -> bytes:
-        """``n`` bytes at ``off`` (4 KiB aligned: headers and records are) with O_DIRECT when the
+        """``n`` bytes at ``off`` (4 KiB aligned: records are) with O_DIRECT when the
         filesystem takes it: no read-ahead of the data around them."""
         fd = fds.get(f)
         if fd is None:

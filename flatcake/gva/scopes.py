@@ -22,7 +22,6 @@ How the session scope, its turn and the other Table 2 signals come from SGLang's
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from flatcake.config import FlatCakeConfig
@@ -30,59 +29,13 @@ from flatcake.errorlog import ErrorLog
 from flatcake.gva.address import MEDIUM_DRAM, MEDIUM_SSD
 from flatcake.gva.index import GvaIndex, KeyClaims, PageEntry, SessionScope
 from flatcake.gva.journal import COMPACT_MIN_ENTRIES, RETIRE, ROUND, JournalEntry, JournalWriter
-from flatcake.gva.placement import PlacementDecision, PlacementPolicy, PlacementSignals, ReuseScope, reuse_code
+from flatcake.gva.placement import Placement, PlacementDecision, PlacementPolicy, PlacementSignals, ReuseScope, reuse_code
 from flatcake.gva.signals import InterestCounter, RequeryFilter
 from flatcake.layout import PageGeometry
 from flatcake.media import extent as fmt
 from flatcake.media.dram import DramRegion
 from flatcake.media.ssd import Extent, SsdFilePool
 from flatcake.stats import StoreStats
-
-
-
-@dataclass(frozen=True, slots=True)
-class Placement:
-    """Where one round of pages goes: the scope table's answer to the write path.
-
-    Attributes:
-        scope: the session scope the round joins (pinned until :meth:`ScopeTable.release`).
-        keys: the round's page keys, in order.
-        src_pages: page ids of the round's pages in the source layout (host pool).
-        slots: DRAM slot numbers, one per page (DRAM rounds), else ``None``.
-        extent_file: SSD pool file of the round (SSD rounds), else -1.
-        round_offset: SSD: byte offset of the round header in ``extent_file``.
-        layout: SSD: the round's byte layout (header | layer-major data | record).
-        seq: SSD: the round's sequence number inside its scope.
-        new_extent: SSD: the extent this round opens, whose 4 KiB extent header the write path
-            writes first (at ``new_extent.offset``); ``None`` when the round appends to an
-            extent that already has one.
-        extent_seq: SSD: index of ``new_extent`` among the scope's extents.
-        prev_tail: SSD: the scope's tail offset before this reservation (for :meth:`ScopeTable.abort_locked`).
-        nonce: SSD: the round's random identity, written in its header, record and journal entry.
-        extent_offset: SSD: offset of the extent (its header block) that holds the round.
-        generation: SSD: the pool file's generation when the space was reserved (a write or
-            commit after the file was reset is refused).
-    """
-
-    scope: SessionScope
-    keys: list
-    src_pages: list
-    slots: Optional[list] = None
-    extent_file: int = -1
-    round_offset: int = 0
-    layout: Optional[fmt.RoundLayout] = None
-    seq: int = 0
-    new_extent: Optional[Extent] = None
-    extent_seq: int = 0
-    prev_tail: int = 0
-    nonce: int = 0
-    extent_offset: int = 0
-    generation: int = 0
-
-    @property
-    def medium(self) -> int:
-        """``MEDIUM_DRAM`` or ``MEDIUM_SSD``."""
-        return MEDIUM_DRAM if self.slots is not None else MEDIUM_SSD
 
 
 class ScopeTable:
@@ -118,6 +71,7 @@ class ScopeTable:
         self.interest = InterestCounter()
         self.lock = self.index.lock
         self.live_rounds = 0  # SSD rounds published and not freed (journal compaction)
+        self._journal_broken = False  # an append failed: rewrite the journal before the next one
         self.claims = KeyClaims(self.index)  # keys a put is writing now
         self.requeries = RequeryFilter(cfg.placement.requery_window_s)
 
@@ -306,7 +260,9 @@ class ScopeTable:
 
         Returns:
             False, publishing nothing, when the round's space was taken away while it was
-            written (its scope was dropped, or its pool file reset): the caller aborts it.
+            written (its scope was dropped, or its pool file reset), or its journal entry could
+            not be written (a published round survives a restart, or is not published): the
+            caller aborts it.
         """
         scope = plc.scope
         if scope.retired or scope.doomed or (
@@ -316,9 +272,10 @@ class ScopeTable:
             lay = plc.layout
             e = JournalEntry(ROUND, scope.scope_id, plc.extent_file, plc.round_offset, plc.extent_offset, plc.nonce,
                              lay.record_offset, lay.record_bytes, plc.seq, reuse_code(scope.reuse))
+            if not self._journal(e):  # not in the journal: a restart would not find it; not published
+                return False
             scope.rounds.append(e)
             self.live_rounds += 1
-            self._journal(e)
         self.index.publish_locked(plc.keys, entries)
         if scope.tail_key is None or scope.tail_key == parent:  # appended at the tail
             self.index.set_tail_locked(scope, plc.keys[-1])
@@ -369,27 +326,28 @@ class ScopeTable:
             self.index.unpublish_scope_locked(scope)
 
     # ================================================================ reclaim
-    def reclaim_if_needed(self) -> None:
-        """Reclaim each medium above its high watermark down to its low watermark."""
+    def reclaim_if_needed(self, exclude: Optional[SessionScope] = None) -> None:
+        """Reclaim each medium above its high watermark down to its low watermark, never
+        freeing ``exclude`` (the scope a put just wrote)."""
         if self.ssd.used_fraction() > self.cfg.ssd.high_watermark or (
             self.dram.n_slots and self.dram.used_fraction() > self.cfg.dram.high_watermark
         ):
             with self.lock:
                 if self.ssd.used_fraction() > self.cfg.ssd.high_watermark:
-                    self.reclaim_locked(MEDIUM_SSD)
+                    self.reclaim_locked(MEDIUM_SSD, exclude)
                 if self.dram.n_slots and self.dram.used_fraction() > self.cfg.dram.high_watermark:
-                    self.reclaim_locked(MEDIUM_DRAM)
+                    self.reclaim_locked(MEDIUM_DRAM, exclude)
 
-    def reclaim_locked(self, medium: int) -> None:
-        """Free the oldest unpinned scopes of ``medium`` whole until usage is at or below the
-        low watermark. Writer lock held."""
+    def reclaim_locked(self, medium: int, exclude: Optional[SessionScope] = None) -> None:
+        """Free the oldest unpinned scopes of ``medium`` (never ``exclude``) whole until usage
+        is at or below the low watermark. Writer lock held."""
         if medium == MEDIUM_SSD:
             target = self.cfg.ssd.low_watermark * self.ssd.capacity_bytes
             above = lambda: self.ssd.used_bytes > target  # noqa: E731
         else:
             target = self.cfg.dram.low_watermark * self.dram.n_slots
             above = lambda: self.dram.n_slots - self.dram.free_slots > target  # noqa: E731
-        while above() and self.reclaim_one_locked(medium):
+        while above() and self.reclaim_one_locked(medium, exclude):
             pass
 
     def reclaim_one_locked(self, medium: int, exclude: Optional[SessionScope] = None) -> bool:
@@ -408,7 +366,7 @@ class ScopeTable:
             return False
         self.index.unpublish_scope_locked(scope)
         if scope.medium == MEDIUM_SSD:
-            if scope.rounds:
+            if scope.rounds and not scope.keep_on_disk:
                 self._journal(JournalEntry(RETIRE, scope.scope_id))
             self.live_rounds -= len(scope.rounds)
             for ext in scope.extents:
@@ -450,16 +408,20 @@ class ScopeTable:
                 self.drop_locked(scope)
 
     def take_file_out_of_service_locked(self, file_index: int) -> None:
-        """Pool file ``file_index`` refuses writes: no more extents in it; its scopes dropped.
-        Writer lock held."""
+        """Pool file ``file_index`` refuses writes: no more extents in it; its scopes dropped
+        from the index but not retired in the journal — their bytes were not lost, so a restart
+        that finds them intact (record and checksums) serves them again. Writer lock held."""
+        for scope in self.index.scopes.values():
+            if any(x.file_index == file_index for x in scope.extents):
+                scope.keep_on_disk = True
         self.drop_file_scopes_locked(file_index)
         self.ssd.take_out_of_service_locked(file_index)
 
     # ================================================================ journal
     def journal_entries_locked(self) -> list[JournalEntry]:
-        """``ROUND`` entries of every live SSD round, scope by scope (a compacted journal)."""
-        return [e for sc in self.index.scopes.values() if sc.medium == MEDIUM_SSD and not sc.retired
-                for e in sc.rounds]
+        """``ROUND`` entries of every live SSD round, scope by scope, least recently used scope
+        first (a compacted journal; a restart keeps this order for reclaim)."""
+        return [e for sc in self.index.oldest_scopes_locked(MEDIUM_SSD) if not sc.retired for e in sc.rounds]
 
     def maybe_compact_journal_locked(self) -> bool:
         """Rewrite the journal with the live rounds once it holds more than ``2 × live rounds +
@@ -475,12 +437,21 @@ class ScopeTable:
             return False
         return True
 
-    def _journal(self, e: JournalEntry) -> None:
-        """Append ``e`` to the pool journal (a failure is logged, not raised). Writer lock held:
-        entries must reach the journal in the order of the events they record."""
+    def _journal(self, e: JournalEntry) -> bool:
+        """Append ``e`` to the pool journal; False on failure (logged once per errno, not
+        raised). Writer lock held: entries must reach the journal in the order of the events
+        they record. After a failed append (the journal may end in a torn entry) the journal is
+        rewritten from the live rounds before the next append: it never loses a published
+        round."""
         if self.journal is None:
-            return
+            return True
         try:
+            if self._journal_broken:
+                self.journal.rewrite(self.journal_entries_locked())
+                self._journal_broken = False
             self.journal.append(e)
+            return True
         except OSError as err:
+            self._journal_broken = True
             self.errors("journal append", err)
+            return False

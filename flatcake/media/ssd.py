@@ -8,7 +8,10 @@ Lifecycle of SSD space::
 
 * Files: ``{ssd.path}/fc-{namespace digest}-{NNNNN}.pool``, ``ssd.file_bytes`` each, at most
   ``ssd.max_files``. The namespace digest in the name keeps TP ranks and models that share a
-  directory apart. A file is never renamed or truncated by FlatCake, so readers may cache fds.
+  directory apart. A file is never renamed by FlatCake, and truncated only at start-up when
+  ``ssd.file_bytes`` was lowered (before any reader opens it), so readers may cache fds. A file
+  found removed or truncated behind the backend is unlinked and recreated as a new inode
+  (:meth:`SsdFilePool.reset_file_locked`): a reader's cached fd of the old one never sees new data.
   What else FlatCake keeps under ``ssd.path``, and how it stays within the capacity:
   :mod:`flatcake.media.pool_dir`.
 * Extents are 4 KiB-aligned ranges placed best-fit (the smallest free range that holds them,
@@ -20,7 +23,8 @@ Lifecycle of SSD space::
   filesystem takes O_DIRECT is probed here, once, at start-up (one log line if it does not).
 * Faults: a file that cannot be created (``ENOSPC``, ...) is logged once per errno and its
   creation is retried only once the filesystem has room for it again; a file that refuses
-  writes (``EIO``, ``EROFS``, ``EPERM``) is taken out of service (:meth:`take_out_of_service_locked`).
+  writes (``EIO``, ``EROFS``, ``EPERM``) is taken out of service; a file removed or truncated
+  behind the backend is reset (:mod:`flatcake.media.pool_faults`).
 
 Thread safety: allocation methods must be called with the store's writer lock held (suffix
 ``_locked``); :meth:`write` is safe from any thread (positional I/O on a shared fd).
@@ -29,7 +33,6 @@ Thread safety: allocation methods must be called with the store's writer lock he
 from __future__ import annotations
 
 import errno
-import fcntl
 import logging
 import os
 import threading
@@ -43,6 +46,7 @@ from flatcake.errorlog import ErrorLog
 from flatcake.media import pool_dir
 from flatcake.media.errors import PoolFileGone, ShortWrite, SsdStartupError, StaleGeneration
 from flatcake.media.pool_dir import ensure_pool_dir
+from flatcake.media.pool_faults import PoolFileFaults
 from flatcake.media.directio import probe_direct_io
 from flatcake.media.extent import namespace_digest
 from flatcake.media.freelist import FreeRanges
@@ -54,6 +58,10 @@ REFUSED_ERRNOS = frozenset({errno.EIO, errno.EROFS, errno.EPERM, errno.EACCES})
 
 #: seconds between two checks of whether a full filesystem has room for a new pool file again
 CREATE_RETRY_CHECK_S = 1.0
+
+#: tries, 50 ms apart, to take the pool's writer lock (another server on the same ``ssd.path``
+#: may be probing it for an instant)
+LOCK_ATTEMPTS = pool_dir.LOCK_ATTEMPTS
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,7 +77,7 @@ class Extent:
         return self.offset + self.nbytes
 
 
-class SsdFilePool:
+class SsdFilePool(PoolFileFaults):
     """The node's SSD address space: up to ``max_files`` preallocated files of ``file_bytes``.
 
     Args:
@@ -105,6 +113,7 @@ class SsdFilePool:
         self._fd_lock = threading.Lock()
         self._free: dict[int, FreeRanges] = {}  # files in service that exist
         self.out_of_service: set[int] = set()
+        self._out_of_service_at: dict[int, float] = {}  # file index -> time.monotonic() of the last refusal
         self.used_bytes = 0
         self._lock_fd = -1
         self._generation: dict[int, int] = {}  # file index -> times it was reset or taken out of service
@@ -139,27 +148,18 @@ class SsdFilePool:
         return ok
 
     def _take_writer_lock(self) -> None:
-        """One writer per pool: a second process with the same namespace and ``ssd.path``
-        would overwrite this one's extents."""
-        path = os.path.join(self.cfg.path, self.prefix + ".lock")
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
-            os.close(fd)
-            raise SsdStartupError(
-                f"ssd.path {self.cfg.path!r}: pool {self.prefix} is in use by another FlatCake process "
-                f"(pid {holder}) with the same namespace; give each server its own ssd.path"
-            ) from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, str(os.getpid()).encode(), 0)
-        self._lock_fd = fd
+        """One writer per pool (:func:`flatcake.media.pool_dir.take_writer_lock`)."""
+        self._lock_fd = pool_dir.take_writer_lock(self.cfg.path, self.prefix, LOCK_ATTEMPTS)
 
     def _open_existing(self) -> None:
         """Open this pool's files left by an earlier run (all of their space free until the
         rebuild takes what it recovers); delete its files beyond ``max_files``."""
         mine = pool_dir.scan(self.cfg.path).get(self.prefix)
+        for tmp in mine.tmp_paths if mine else []:  # a compaction a crash left unfinished
+            try:
+                os.unlink(tmp)
+            except OSError as e:
+                self.errors("remove journal tmp file", e)
         for i in sorted(mine.pool_indices if mine else []):
             if i >= self.max_files:
                 try:
@@ -169,8 +169,10 @@ class SsdFilePool:
                     self.errors("remove pool file", e)
                 continue
             try:
+                if os.stat(self.path_of(i)).st_size > self.file_bytes:  # ssd.file_bytes was lowered
+                    os.truncate(self.path_of(i), self.file_bytes)  # rounds past the new end are dropped
                 self._open_file(i, create=False)
-            except SsdStartupError as e:
+            except (OSError, SsdStartupError) as e:
                 log.warning("flatcake: pool file %s unusable (%s); it will be recreated", self.path_of(i), e)
 
     @property
@@ -273,6 +275,8 @@ class SsdFilePool:
         else in a newly created file; ``None`` if nothing holds it (the caller reclaims and
         retries)."""
         n = align_up(nbytes)
+        if self.out_of_service:
+            self._retry_out_of_service_locked()
         best = None  # (len, file, start)
         for f, fr in self._free.items():
             fit = fr.best_fit(n)
@@ -345,55 +349,6 @@ class SsdFilePool:
         if fr is not None:
             fr.give(ext.offset, ext.nbytes)
             self.used_bytes -= ext.nbytes
-
-    def generation_of(self, file_index: int) -> int:
-        """How many times pool file ``file_index`` was reset or taken out of service. A page
-        written under another generation is not in the file any more: a read of it is a miss
-        and a write placed under it is refused (the bytes there belong to someone else now)."""
-        return self._generation.get(file_index, 0)
-
-    def reset_file_locked(self, file_index: int) -> None:
-        """Forget pool file ``file_index`` (removed behind the backend): a new generation, its
-        fd retired and all of it free; it is recreated (and ``ssd.path`` with it) on the next
-        use. The caller has already dropped every scope with an extent in it."""
-        self._generation[file_index] = self.generation_of(file_index) + 1
-        self._close_fd(file_index)
-        fr = self._free.pop(file_index, None)
-        if fr is not None:
-            self.used_bytes -= self.file_bytes - fr.free_bytes
-        os.makedirs(self.cfg.path, exist_ok=True)
-
-    def take_out_of_service_locked(self, file_index: int) -> None:
-        """Pool file ``file_index`` refuses writes (EIO, EROFS, EPERM): allocate nothing more in
-        it and stop counting it in the capacity. The caller drops the scopes with extents in it."""
-        if file_index in self.out_of_service:
-            return
-        self.out_of_service.add(file_index)
-        self._generation[file_index] = self.generation_of(file_index) + 1
-        fr = self._free.pop(file_index, None)
-        if fr is not None:
-            self.used_bytes -= self.file_bytes - fr.free_bytes
-        self._close_fd(file_index)
-        log.error("flatcake: pool file %s refuses writes; taken out of service (%d of %d files left)",
-                  self.path_of(file_index), self.max_files - len(self.out_of_service), self.max_files)
-
-    def health(self) -> str:
-        """``"healthy"``; ``"degraded"`` (files out of service, or a file cannot be created for
-        lack of space); ``"disabled"`` (every file is out of service)."""
-        if len(self.out_of_service) >= self.max_files:
-            return "disabled"
-        if self.out_of_service or self._create_blocked_at:
-            return "degraded"
-        return "healthy"
-
-    def state(self) -> dict:
-        """The pool's health for the stats: ``state`` (:meth:`health`), ``used_bytes``,
-        ``capacity_bytes`` (in service), ``configured_capacity_bytes``, ``files_out_of_service``,
-        ``stale_pools_removed`` (since start-up)."""
-        return {"state": self.health(), "used_bytes": self.used_bytes, "capacity_bytes": self.capacity_bytes,
-                "configured_capacity_bytes": self.configured_capacity_bytes,
-                "files_out_of_service": sorted(self.out_of_service),
-                "stale_pools_removed": len(self.removed_stale_pools)}
 
     def free_ranges(self, file_index: int) -> list[tuple[int, int]]:
         """Free ``(offset, nbytes)`` ranges of pool file ``file_index`` in offset order (empty for

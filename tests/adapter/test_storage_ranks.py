@@ -92,3 +92,30 @@ def test_a_follower_that_starts_late_replays_only_the_live_rounds(make_backend, 
     assert polled[0] <= 2 * live + 16 + 2  # the compacted journal, not 80 rounds of history
     got = f.batch_get_v1(keys[-1:], slots_of(fpool, [40]))
     assert got == [True] and page_matches(fpool, 40 * fpool.page_size, keys[-1])
+
+
+def test_a_follower_keeps_what_it_mirrored_when_the_writer_compacts(make_backend, monkeypatch):
+    w, wpool = make_backend(mla=True, tp_rank=0, tp_size=2)
+    f, fpool = make_backend(mla=True, tp_rank=1, tp_size=2)
+    sess = [[f"c{s}-{i}" for i in range(3)] for s in range(4)]
+    for keys in sess:
+        write_pages(w, wpool, keys, range(3))
+    assert all(f.batch_exists(keys) == 3 for keys in sess)
+    reads = []
+    real = f.store.mirror.__class__._mirror_round_locked
+    monkeypatch.setattr(f.store.mirror.__class__, "_mirror_round_locked", lambda self, e: (reads.append(e), real(self, e)))
+    w.clear()  # drops every scope ...
+    write_pages(w, wpool, sess[0], range(3))  # ... one comes back as a new scope
+    w2 = [f"d{i}" for i in range(2)]
+    write_pages(w, wpool, w2, range(3, 5))
+    with w.store.scopes.lock:  # the writer compacts: the follower sees a new journal inode
+        w.store.scopes.journal.rewrite(w.store.scopes.journal_entries_locked())
+    assert (f.batch_exists(sess[0]), f.batch_exists(sess[1]), f.batch_exists(w2)) == (3, 0, 2)
+    n_after_first_sync = len(reads)
+    write_pages(w, wpool, [f"e{i}" for i in range(2)], range(5, 7))
+    with w.store.scopes.lock:
+        w.store.scopes.journal.rewrite(w.store.scopes.journal_entries_locked())
+    assert f.batch_exists(w2) == 2 and f.batch_exists(["e0", "e1"]) == 2
+    assert len(reads) == n_after_first_sync + 1  # only the new round's record was read; the rest kept
+    assert f.batch_get_v1(sess[0] + w2, slots_of(fpool, range(10, 15))) == [True] * 5
+    assert all(page_matches(fpool, (10 + i) * fpool.page_size, k) for i, k in enumerate(sess[0] + w2))

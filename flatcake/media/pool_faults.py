@@ -1,0 +1,128 @@
+"""Fault states of the SSD pool's files (paper §3.1: a page read back is the page written, or a
+miss): file generations, a file reset after it was removed or truncated behind the backend, a
+file taken out of service when it refuses writes and put back when it takes them again, and the
+pool's health.
+
+Lifecycle of a pool file::
+
+    in service --(removed/truncated behind the backend)--> reset: unlinked, new generation,
+                                                          recreated as a new inode on next use
+    in service --(EIO/EROFS/EPERM/EACCES on a write)----> out of service: new generation,
+                                                          no extents, not in the capacity
+    out of service --(every OUT_OF_SERVICE_RETRY_S: first block rewritten unchanged)--> in
+                                                          service, empty, new generation
+
+:class:`PoolFileFaults` is a mixin of :class:`flatcake.media.ssd.SsdFilePool` (it uses the pool's
+fds, free lists and generation table); methods suffixed ``_locked`` expect the store's writer lock.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+from flatcake.media import pool_dir
+from flatcake.media.errors import SsdStartupError
+
+log = logging.getLogger("flatcake.ssd")
+
+#: seconds before a pool file taken out of service is tried again (a non-destructive rewrite of
+#: its first block); it comes back empty (its scopes were dropped)
+OUT_OF_SERVICE_RETRY_S = 60.0
+
+
+class PoolFileFaults:
+    """Generations, reset, out-of-service and health of :class:`~flatcake.media.ssd.SsdFilePool`'s files."""
+
+    def generation_of(self, file_index: int) -> int:
+        """How many times pool file ``file_index`` was reset or taken out of service. A page
+        written under another generation is not in the file any more: a read of it is a miss
+        and a write placed under it is refused (the bytes there belong to someone else now)."""
+        return self._generation.get(file_index, 0)
+
+    def reset_file_locked(self, file_index: int) -> None:
+        """Forget pool file ``file_index`` (removed behind the backend): a new generation, its
+        fd retired and all of it free; the damaged file (a truncated one still has its name) is
+        unlinked, so that the next use recreates it (and ``ssd.path`` with it) as a new inode —
+        never regrowing the truncated one under a reader's fd. The caller has already dropped
+        every scope with an extent in it.
+
+        Raises:
+            OSError: ``ssd.path`` cannot be recreated (the file is still forgotten).
+        """
+        self._generation[file_index] = self.generation_of(file_index) + 1
+        self._close_fd(file_index)
+        try:
+            os.unlink(self.path_of(file_index))
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            self.errors("remove damaged pool file", e)
+        fr = self._free.pop(file_index, None)
+        if fr is not None:
+            self.used_bytes -= self.file_bytes - fr.free_bytes
+        os.makedirs(self.cfg.path, exist_ok=True)
+
+    def take_out_of_service_locked(self, file_index: int) -> None:
+        """Pool file ``file_index`` refuses writes (EIO, EROFS, EPERM): allocate nothing more in
+        it and stop counting it in the capacity. The caller drops the scopes with extents in it."""
+        self._out_of_service_at[file_index] = time.monotonic()
+        if file_index in self.out_of_service:
+            return
+        self.out_of_service.add(file_index)
+        self._generation[file_index] = self.generation_of(file_index) + 1
+        fr = self._free.pop(file_index, None)
+        if fr is not None:
+            self.used_bytes -= self.file_bytes - fr.free_bytes
+        self._close_fd(file_index)
+        log.error("flatcake: pool file %s refuses writes; taken out of service (%d of %d files left)",
+                  self.path_of(file_index), self.max_files - len(self.out_of_service), self.max_files)
+
+    def _retry_out_of_service_locked(self) -> None:
+        """Put back in service each file out of service for :data:`OUT_OF_SERVICE_RETRY_S` that
+        takes a write again: its first 4 KiB block is read and written back unchanged (a
+        non-destructive probe) and synced. It comes back empty, under a new generation (its
+        scopes were dropped when it was taken out). A file that still refuses waits another
+        period (logged once per errno)."""
+        now = time.monotonic()
+        for i in sorted(self.out_of_service):
+            if now - self._out_of_service_at.get(i, now) < OUT_OF_SERVICE_RETRY_S:
+                continue
+            self._out_of_service_at[i] = now
+            if not os.path.exists(self.path_of(i)):  # never created (or removed): created on demand
+                self.out_of_service.discard(i)
+                self._generation[i] = self.generation_of(i) + 1
+                continue
+            try:
+                pool_dir.rewrite_first_block(self.path_of(i), self.file_bytes)
+            except OSError as e:
+                self.errors("pool file retry", e)
+                continue
+            self.out_of_service.discard(i)
+            self._generation[i] = self.generation_of(i) + 1
+            try:
+                self._open_file(i, create=False)
+            except SsdStartupError as e:
+                self.errors("pool file retry", e.__cause__ if isinstance(e.__cause__, OSError) else e)
+                self.out_of_service.add(i)
+                continue
+            log.warning("flatcake: pool file %s takes writes again; back in service (empty)", self.path_of(i))
+
+    def health(self) -> str:
+        """``"healthy"``; ``"degraded"`` (files out of service, or a file cannot be created for
+        lack of space); ``"disabled"`` (every file is out of service)."""
+        if len(self.out_of_service) >= self.max_files:
+            return "disabled"
+        if self.out_of_service or self._create_blocked_at:
+            return "degraded"
+        return "healthy"
+
+    def state(self) -> dict:
+        """The pool's health for the stats: ``state`` (:meth:`health`), ``used_bytes``,
+        ``capacity_bytes`` (in service), ``configured_capacity_bytes``, ``files_out_of_service``,
+        ``stale_pools_removed`` (since start-up)."""
+        return {"state": self.health(), "used_bytes": self.used_bytes, "capacity_bytes": self.capacity_bytes,
+                "configured_capacity_bytes": self.configured_capacity_bytes,
+                "files_out_of_service": sorted(self.out_of_service),
+                "stale_pools_removed": len(self.removed_stale_pools)}
