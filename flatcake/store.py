@@ -73,6 +73,28 @@ class PageInfo:
     file_index: int = -1
 
 
+@dataclass(frozen=True)
+class MediumSummary:
+    """What reading a run of stored pages needs, by medium (FC-MAS lanes, paper §3.2).
+
+    Attributes:
+        dram_pages: pages of the run on DRAM.
+        ssd_pages: pages of the run on SSD.
+        ssd_bytes: bytes a restore of the SSD pages reads (``ssd_pages × page_bytes``).
+        media: per key, ``"dram"``, ``"ssd"`` or ``None`` (not stored).
+    """
+
+    dram_pages: int
+    ssd_pages: int
+    ssd_bytes: int
+    media: tuple
+
+    @property
+    def needs_ssd(self) -> bool:
+        """True when some page is on SSD (the request goes to the SSD lane)."""
+        return self.ssd_pages > 0
+
+
 class PageStore:
     """FlatCake's page store for one namespace.
 
@@ -209,6 +231,14 @@ class PageStore:
         """``"dram"`` or ``"ssd"`` for a stored key, ``None`` otherwise (lock-free)."""
         info = self.page_info(key)
         return info.medium if info is not None else None
+
+    def medium_summary(self, keys: Sequence[str]) -> MediumSummary:
+        """Pages of ``keys`` on each medium and the SSD bytes to restore (lock-free, never
+        raises; a key not stored counts on neither medium). Used after a hit query to put a
+        request's prefetch in FC-MAS's DRAM or SSD lane (paper §3.2)."""
+        media = tuple(self.medium_of(k) for k in keys)
+        ssd = media.count("ssd")
+        return MediumSummary(media.count("dram"), ssd, ssd * self.geometry.page_bytes, media)
 
     # ================================================================ reads
     def get(self, keys: Sequence[str], layout: KvPageLayout, page_ids: Sequence[int]) -> list[bool]:

@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from flatcake_testkit import make_store, page_matches, put_pages
+from flatcake_testkit import make_store, page_matches, put_pages, two_requests_share
 
 from flatcake.config import ConfigError
 
@@ -33,6 +33,19 @@ def test_put_get_round_trip_and_page_info(ssd_dir):
     assert (st["pages_indexed"], st["scopes"], st["hit_pages_ssd"], st["pages_written_ssd"]) == (3, 1, 3, 3)
     store.close()
     assert store.get(keys, lay, [0, 1, 2]) == [False] * 3 and store.leading_run(keys) == 0
+
+
+def test_medium_summary_counts_pages_and_ssd_bytes_for_the_fc_mas_lanes(ssd_dir):
+    store, pool, lay = make_store(ssd_dir, **{"dram.capacity_bytes": 1 << 20})
+    two_requests_share(store.leading_run, ["sys0", "sys1"])  # a shared prompt: DRAM
+    put_pages(store, pool, lay, ["sys0", "sys1"], [0, 1])
+    put_pages(store, pool, lay, ["a0", "a1", "a2"], [2, 3, 4])  # overflow of nothing shared: SSD
+    assert [store.medium_of(k) for k in ("sys0", "a0")] == ["dram", "ssd"]
+    m = store.medium_summary(["sys0", "sys1", "a0", "a1", "a2", "absent"])
+    assert (m.dram_pages, m.ssd_pages, m.ssd_bytes, m.needs_ssd) == (2, 3, 3 * 1536, True)
+    assert m.media == ("dram", "dram", "ssd", "ssd", "ssd", None)
+    assert store.medium_summary(["sys0"]).needs_ssd is False
+    store.close()
 
 
 @pytest.mark.parametrize("bad", [{"cio.staging_bytes": 4096}, {"ssd.file_bytes": 4096}])

@@ -30,7 +30,7 @@ from flatcake.config import FlatCakeConfig, config_from_extra
 from flatcake.errorlog import ErrorLog
 from flatcake.layout import KvPageLayout, UnsupportedLayoutError
 from flatcake.media.pool_dir import ensure_pool_dir
-from flatcake.store import PageStore
+from flatcake.store import MediumSummary, PageStore
 
 log = logging.getLogger("flatcake")
 
@@ -168,6 +168,18 @@ class FlatCakeStorage(HiCacheStorage):
         except Exception as e:
             self.errors("batch_exists", e)
             return 0
+
+    def medium_summary(self, keys: List[str]):
+        """:class:`~flatcake.store.MediumSummary` of ``keys``: pages on DRAM, pages and bytes on
+        SSD (FC-MAS puts the request's prefetch in the DRAM or the SSD lane by it; paper §3.2).
+        Before the host pool is registered, or after close, every key counts on neither medium.
+        Never raises."""
+        try:
+            if self._ready():
+                return self.store.medium_summary(keys)
+        except Exception as e:  # pragma: no cover - defensive
+            self.errors("medium_summary", e)
+        return MediumSummary(0, 0, 0, (None,) * len(keys))
 
     # ------------------------------------------------------------------ zero-copy (interface_v1)
     def batch_get_v1(self, keys: List[str], host_indices: torch.Tensor, extra_info: Optional[HiCacheStorageExtraInfo] = None) -> List[bool]:

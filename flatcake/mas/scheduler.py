@@ -231,6 +231,14 @@ class MediumAwareScheduler:
                 out.append(self._start_best_locked(now))
             return out
 
+    def start_restore(self) -> Optional[RestoreStart]:
+        """Fill one free restore slot (the highest HRRN priority), or ``None`` if no slot is
+        free or nothing waits. For a pool of restore workers that each take one at a time."""
+        with self._lock:
+            if not self._preparing or len(self._restoring) >= self.max_concurrent_restores:
+                return None
+            return self._start_best_locked(self._clock())
+
     def finish_restore(self, request_id: str) -> None:
         """Mark a restore done: the request re-enters DRAM-Ready at its original arrival time.
 

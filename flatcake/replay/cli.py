@@ -36,6 +36,7 @@ from flatcake.config import ConfigError, FlatCakeConfig, load_config, read_yaml
 from flatcake.replay.engine import Engine, EngineConfig, ModelProfile, RequestOutcome
 from flatcake.replay.keys import PageKeyer
 from flatcake.replay.report import markdown, plot_ttft_cdf, system_summary
+from flatcake.replay.sweep import parse_rates, parse_schedulers, run_sweep, serving_markdown
 from flatcake.replay.systems import SYSTEMS, make_system
 from flatcake.replay.traces import (DEFAULT_SESSION_GAP_S, TraceFormatError, detect_format, ideal_hit_rate,
                                     load_trace)
@@ -287,6 +288,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hbm-pages", type=int, help="HBM prefix-cache capacity in pages")
     p.add_argument("--keep-data", action="store_true", help="keep the storage directories")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--qps", help="serve under load at these arrival rates (req/s, comma-separated): "
+                   "the concurrent serving model, outputs serving.json/serving.md")
+    p.add_argument("--scheduler", default="mas", help="with --qps: prefetch I/O order, fcfs | mas | fcfs,mas (default mas)")
+    p.add_argument("--ssd-restores", type=int, default=1, help="with --qps: concurrent SSD restores in the mas lanes")
     return p
 
 
@@ -302,6 +307,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"flatcake-replay: {e}", file=sys.stderr)
         return 2
     t0 = time.perf_counter()
+    if args.qps:
+        return _serve(cfg, settings, profile, args, t0)
     try:
         summary = run_replay(cfg, settings, profile, progress=not args.no_progress)
     except TraceFormatError as e:
@@ -311,6 +318,23 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(f"wrote {Path(settings['out']) / 'summary.json'} in {time.perf_counter() - t0:.1f} s")
     bad = sum(s["verify_failures"] for s in summary["systems"].values())
     return 1 if bad else 0
+
+
+def _serve(cfg: FlatCakeConfig, settings: dict, profile: ModelProfile, args, t0: float) -> int:
+    """``--qps``: the concurrent serving sweep (:mod:`flatcake.replay.sweep`)."""
+    try:
+        rates, scheds = parse_rates(args.qps), parse_schedulers(args.scheduler)
+        if args.ssd_restores < 1:
+            raise ValueError(f"--ssd-restores: must be at least 1 (got {args.ssd_restores})")
+        ecfg = EngineConfig(**{f.name: settings[f.name] for f in dataclasses.fields(EngineConfig)})
+        fc_keys = _flatten(cfg.model_dump(exclude={"model", "replay"}))
+        result = run_sweep(fc_keys, settings, profile, ecfg, rates, scheds, args.ssd_restores)
+    except (ValueError, TraceFormatError) as e:
+        print(f"flatcake-replay: {e}", file=sys.stderr)
+        return 2
+    print(serving_markdown(result))
+    print(f"wrote {Path(settings['out']) / 'serving.json'} in {time.perf_counter() - t0:.1f} s")
+    return 1 if any(r["verify_failures"] for r in result["runs"]) else 0
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -19,6 +19,11 @@ cache controller calls it (``managers/cache_controller.py`` in sglang 0.5.23).
   every file it read from the page cache (``posix_fadvise(DONTNEED)``), outside the timed calls,
   so its reads hit the disk as FlatCake's O_DIRECT reads do.
 
+Thread safety: the concurrent serving model (:mod:`flatcake.replay.serving`) calls ``exists``,
+``get``, ``set`` and ``medium_summary`` from several threads at once and times each call itself;
+``last_call_s`` is then meaningless, and ``get``'s DRAM/SSD split is taken from
+``medium_summary`` instead of counter deltas.
+
 Lifecycle: ``make_system(name, ...)`` → ``exists``/``get``/``set`` per request →
 ``counters()`` → ``close()``. Each call leaves the seconds spent in exactly the work SGLang's
 controller does for it (the backend call plus, on the generic path, the dummy pages and
@@ -32,6 +37,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import threading
 import time
 from pathlib import Path
 from typing import Any, Mapping, Optional
@@ -156,6 +162,14 @@ class L3System:
         """Write the host pages of ``host_indices`` under ``keys``; True when all succeeded."""
         raise NotImplementedError
 
+    def medium_summary(self, keys: list[str]):
+        """:class:`~flatcake.store.MediumSummary` of stored ``keys`` (FC-MAS lanes). A backend
+        without media reports every page on SSD."""
+        from flatcake.store import MediumSummary
+
+        n = len(keys)
+        return MediumSummary(0, n, n * self.profile.page_bytes, ("ssd",) * n)
+
     def prepare_set(self, keys: list[str]) -> None:
         """Harness bookkeeping before a timed ``set`` (not storage time)."""
 
@@ -180,6 +194,14 @@ class L3System:
             log.exception("%s: %s raised (counted as a miss/failure)", self.name, what)
 
 
+class _CallKeys(threading.local):
+    """Per thread: the keys its last ``get`` read and its pending ``set`` will write."""
+
+    def __init__(self):
+        self.read: list[str] = []
+        self.new: list[str] = []
+
+
 class FileSystem(L3System):
     """SGLang's HiCacheFile through the controller's generic (non-v1) path."""
 
@@ -196,8 +218,8 @@ class FileSystem(L3System):
         super().__init__(profile, pool, backend)
         self.drop_page_cache = drop_page_cache
         self._c = dict.fromkeys(COUNTER_KEYS, 0)
-        self._read_keys: list[str] = []
-        self._new_keys: list[str] = []
+        self._c_lock = threading.Lock()
+        self._tl = _CallKeys()  # keys read / about to be written by this thread's last call
 
     def _path(self, key: str) -> str:
         # HiCacheFile's own naming of a KV page: <file_path>/<key><config_suffix>.bin
@@ -230,17 +252,18 @@ class FileSystem(L3System):
         self.last_call_s = time.perf_counter() - t0
         if failed:
             self._error("batch_get")
-        self._read_keys = keys[:count]
+        self._tl.read = keys[:count]
         pb = self.profile.page_bytes
-        self._c["hit_pages_ssd"] += count
-        self._c["ssd_read_bytes"] += count * pb
-        self._c["ssd_read_ops"] += count
-        self._c["logical_read_bytes_ssd"] += count * pb
+        with self._c_lock:
+            self._c["hit_pages_ssd"] += count
+            self._c["ssd_read_bytes"] += count * pb
+            self._c["ssd_read_ops"] += count
+            self._c["logical_read_bytes_ssd"] += count * pb
         return count, 0, count
 
     def prepare_set(self, keys):
         # which pages HiCacheFile will really write (it skips keys whose file exists)
-        self._new_keys = [k for k in keys if not self.inner.exists(k)]
+        self._tl.new = [k for k in keys if not self.inner.exists(k)]
 
     def set(self, keys, host_indices, prefix_keys):
         pool, P = self.pool, self.page_size
@@ -256,16 +279,17 @@ class FileSystem(L3System):
         return bool(ok)
 
     def after_call(self) -> None:
-        if self._read_keys:
-            self._drop(self._read_keys, sync=False)
-            self._read_keys = []
-        if self._new_keys:
-            written = [k for k in self._new_keys if self.inner.exists(k)]
-            self._new_keys = []
+        if self._tl.read:
+            self._drop(self._tl.read, sync=False)
+            self._tl.read = []
+        if self._tl.new:
+            written = [k for k in self._tl.new if self.inner.exists(k)]
+            self._tl.new = []
             pb = self.profile.page_bytes
-            self._c["ssd_write_bytes"] += len(written) * pb
-            self._c["ssd_write_ops"] += len(written)
-            self._c["logical_write_bytes"] += len(written) * pb
+            with self._c_lock:
+                self._c["ssd_write_bytes"] += len(written) * pb
+                self._c["ssd_write_ops"] += len(written)
+                self._c["logical_write_bytes"] += len(written) * pb
             self._drop(written, sync=True)
 
     def counters(self):
@@ -324,6 +348,9 @@ class FlatCakeSystem(L3System):
         if ok is None:
             self._error("batch_set_v1")
         return bool(ok)
+
+    def medium_summary(self, keys):
+        return self.inner.medium_summary(keys)
 
     def counters(self):
         return self._snap()

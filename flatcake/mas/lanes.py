@@ -1,0 +1,242 @@
+"""Restore lanes: the threads that run prefetch I/O in the order FC-MAS decides (paper §3.2).
+
+One implementation, two drivers: the replay's concurrent serving model
+(:mod:`flatcake.replay.serving`) and, inside an SGLang server, the FlatCake plugin
+(:mod:`flatcake.adapter.plugin`) both hand each request's prefetch to a :class:`Lanes` object
+as a :class:`LaneOp` — what its cached prefix needs (pages on DRAM, pages and bytes on SSD) and a
+callable that performs the reads — and are told when it is done.
+
+* :class:`FifoLanes` — SGLang 0.5.23's own behaviour: one I/O thread, operations strictly in
+  submission order, so a DRAM-only prefetch waits behind every SSD restore queued before it.
+* :class:`MediumAwareLanes` — FC-MAS: a DRAM lane (one thread; DRAM-only prefetches in arrival
+  order, never behind a restore) and an SSD lane (``ssd_workers`` restores at once — the FC-CIO
+  staging windows — picked by HRRN over bytes, ``1 + wait / kv_bytes``: small restores first,
+  big ones never starve). A finished restore re-enters by its original arrival time: completions
+  are announced through the same arrival-ordered DRAM-Ready queue as DRAM-only prefetches.
+
+Lifecycle of an operation::
+
+    submit(op) -> [DRAM lane: queue by arrival | SSD lane: HRRN pick when a restore slot frees]
+               -> op.run() on a lane thread -> on_done(op), with submitted/started/finished times
+
+``op.run()`` must not raise (the drivers catch their own errors); an exception that escapes
+anyway is logged once and the operation still completes, so nothing waits forever.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+from flatcake.gva.address import SSD_BOUNDARY
+from flatcake.mas.scheduler import MasRequest, MediumAwareScheduler
+
+log = logging.getLogger("flatcake.mas")
+
+
+@dataclass(eq=False)
+class LaneOp:
+    """One request's prefetch, as the lanes see it.
+
+    Attributes:
+        request_id: unique among operations in flight.
+        arrival_s: the request's arrival time (seconds, ``time.monotonic`` origin).
+        dram_pages: pages of its cached prefix on DRAM.
+        ssd_pages: pages of its cached prefix on SSD.
+        ssd_bytes: bytes to restore from SSD (the HRRN denominator).
+        run: performs the reads; must not raise.
+        on_done: called once with the operation when it completed (on a lane thread).
+        submitted_s, started_s, finished_s: set by the lanes (``time.monotonic`` seconds).
+        lane: ``"dram"`` or ``"ssd"`` (``"fifo"`` for :class:`FifoLanes`), set on submit.
+    """
+
+    request_id: str
+    arrival_s: float
+    dram_pages: int
+    ssd_pages: int
+    ssd_bytes: int
+    run: Callable[[], None]
+    on_done: Optional[Callable[["LaneOp"], None]] = None
+    submitted_s: float = 0.0
+    started_s: float = 0.0
+    finished_s: float = 0.0
+    lane: str = ""
+    _done: threading.Event = field(default_factory=threading.Event, repr=False)
+
+    @property
+    def needs_ssd(self) -> bool:
+        """True when some page of the prefix is on SSD."""
+        return self.ssd_pages > 0
+
+    def wait(self, timeout: Optional[float] = None) -> bool:
+        """Block until the operation completed; False on timeout."""
+        return self._done.wait(timeout)
+
+
+class Lanes:
+    """Interface: :meth:`submit` operations, :meth:`close` when done.
+
+    Attributes:
+        name: ``"fcfs"`` or ``"mas"``.
+    """
+
+    name = "base"
+
+    def __init__(self):
+        self._errors: set[str] = set()
+
+    def submit(self, op: LaneOp) -> None:  # pragma: no cover - interface
+        """Queue ``op``; returns at once."""
+        raise NotImplementedError
+
+    def close(self) -> None:  # pragma: no cover - interface
+        """Finish what was submitted and stop the threads."""
+        raise NotImplementedError
+
+    def _execute(self, op: LaneOp) -> None:
+        op.started_s = time.monotonic()
+        try:
+            op.run()
+        except Exception as e:  # noqa: BLE001 - a lane never dies and nothing waits forever
+            kind = type(e).__name__
+            if kind not in self._errors:
+                self._errors.add(kind)
+                log.error("flatcake lanes: a prefetch raised %s: %s (further ones are not logged)", kind, e)
+        op.finished_s = time.monotonic()
+
+    @staticmethod
+    def _complete(op: LaneOp) -> None:
+        try:
+            if op.on_done is not None:
+                op.on_done(op)
+        finally:
+            op._done.set()
+
+
+class FifoLanes(Lanes):
+    """SGLang's prefetch-I/O thread: one worker, strict submission order (the FC-MAS ablation)."""
+
+    name = "fcfs"
+
+    def __init__(self):
+        super().__init__()
+        self._q: "queue.SimpleQueue[Optional[LaneOp]]" = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._work, name="fc-lane-fifo", daemon=True)
+        self._thread.start()
+
+    def submit(self, op: LaneOp) -> None:
+        op.lane, op.submitted_s = "fifo", time.monotonic()
+        self._q.put(op)
+
+    def _work(self) -> None:
+        while True:
+            op = self._q.get()
+            if op is None:
+                return
+            self._execute(op)
+            self._complete(op)
+
+    def close(self) -> None:
+        self._q.put(None)
+        self._thread.join()
+
+
+class MediumAwareLanes(Lanes):
+    """FC-MAS lanes over :class:`~flatcake.mas.scheduler.MediumAwareScheduler` (see the module
+    docstring).
+
+    Args:
+        ssd_workers: SSD restores at once (``cio.windows``); at least 1.
+        clock: the scheduler's clock (seconds); the arrival times given must use it.
+    """
+
+    name = "mas"
+
+    def __init__(self, ssd_workers: int = 1, clock: Callable[[], float] = time.monotonic):
+        super().__init__()
+        self.scheduler = MediumAwareScheduler(ssd_workers, clock)
+        self._ops: dict[str, LaneOp] = {}
+        self._cv = threading.Condition()
+        self._closed = False
+        self._pending = 0  # submitted, not yet completed
+        self._threads = [threading.Thread(target=self._dram_work, name="fc-lane-dram", daemon=True)]
+        self._threads += [threading.Thread(target=self._ssd_work, name=f"fc-lane-ssd{i}", daemon=True)
+                          for i in range(ssd_workers)]
+        for t in self._threads:
+            t.start()
+
+    def submit(self, op: LaneOp) -> None:
+        op.submitted_s = time.monotonic()
+        op.lane = "ssd" if op.needs_ssd else "dram"
+        max_gva = SSD_BOUNDARY if op.needs_ssd else 0
+        with self._cv:
+            self._ops[op.request_id] = op
+            self._pending += 1
+            self.scheduler.submit(MasRequest(op.request_id, op.arrival_s, max_gva, max(1, op.ssd_bytes)))
+            self._cv.notify_all()
+
+    def _next_locked(self, take):
+        """``take()``'s first non-None answer, waiting on the condition between tries; None once
+        the lanes are closed and nothing is pending (the thread exits). ``_cv`` held."""
+        while True:
+            got = take()
+            if got is not None:
+                return got
+            if self._closed and not self._pending:
+                return None
+            self._cv.wait(0.5)
+
+    def _dram_work(self) -> None:
+        """DRAM-Ready in arrival order: run a DRAM-only prefetch, or announce a finished restore."""
+        while True:
+            with self._cv:
+                d = self._next_locked(self.scheduler.pop_ready)
+                if d is None:
+                    return
+                op = self._ops.pop(d.request.request_id)
+            if not d.restored:
+                self._execute(op)
+            self._complete(op)
+            with self._cv:
+                self._pending -= 1
+                self._cv.notify_all()
+
+    def _ssd_work(self) -> None:
+        """Take the best waiting restore when a slot is free, run it, let it re-enter ready."""
+        while True:
+            with self._cv:
+                start = self._next_locked(self.scheduler.start_restore)
+                if start is None:
+                    return
+                op = self._ops[start.request.request_id]
+            self._execute(op)
+            with self._cv:
+                self.scheduler.finish_restore(op.request_id)
+                self._cv.notify_all()
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        for t in self._threads:
+            t.join()
+
+
+def make_lanes(name: str, ssd_workers: int = 1) -> Lanes:
+    """``"fcfs"`` -> :class:`FifoLanes`; ``"mas"`` -> :class:`MediumAwareLanes`.
+
+    Raises:
+        ValueError: another name.
+    """
+    if name == "fcfs":
+        return FifoLanes()
+    if name == "mas":
+        return MediumAwareLanes(ssd_workers)
+    raise ValueError(f"scheduler must be 'fcfs' or 'mas', got {name!r}")
+
+
+__all__ = ["FifoLanes", "LaneOp", "Lanes", "MediumAwareLanes", "make_lanes"]

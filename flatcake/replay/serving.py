@@ -1,0 +1,422 @@
+"""Concurrent serving model: SGLang 0.5.23's scheduler and cache controller under load, with the
+prefetch I/O in FC-MAS lanes or in SGLang's single FIFO (paper §3.2).
+
+Many requests are in flight. Threads, as in SGLang's controller (``managers/cache_controller.py``)
+and scheduler::
+
+    arrivals      at each request's (rate-scaled) arrival time: HBM prefix match, then queue
+    hit queries   one thread, arrival order: batch_exists on the rest of the prompt; the pages
+                  of the hit on each medium (``medium_summary``); host pages for the hit, or the
+                  prefetch is declined (host pool full: the request recomputes those tokens)
+    prefetch I/O  the lanes (:mod:`flatcake.mas.lanes`): ``fcfs`` = SGLang's one I/O thread,
+                  FIFO; ``mas`` = a DRAM lane and ``ssd_restores`` SSD restores picked by HRRN.
+                  Reads in 128-page batch_get_v1 calls, stopping at the first page not delivered
+    verify        one thread checks every delivered page's bytes, then frees its host pages
+                  (harness work: outside every timed call, off the lanes)
+    GPU           a modelled timeline in real time: admits ready requests (prefetch done, or
+                  its deadline passed with ``prefetch_policy: timeout``) in arrival order up to
+                  ``max_running``; each step runs up to ``chunk_tokens`` of chunked prefill plus
+                  one decode token per running request, and sleeps the step's modelled time
+    backup        one thread writes each request's computed pages (batch_set_v1, 128 pages) once
+                  its prefill is done, concurrently with the reads (SGLang's write-through)
+
+What is measured and what is modelled: every storage call (hit query, reads, writes) runs for
+real against the backend on its own thread, concurrently; the GPU's step times are modelled
+(:meth:`ServingModel.step_s`: prefill FLOPs of :class:`~flatcake.replay.engine.ModelProfile`,
+host→HBM load of the L3-delivered bytes at ``pcie_gbps``, and per decode step a fixed overhead
+plus the weights and the running contexts' KV read at ``hbm_gbps``) and elapse as real sleeps,
+so storage and GPU time overlap as they do in a server. TTFT = first token (end of the step that
+finishes the request's prefill) − arrival, queueing included.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+
+from flatcake.config import STORAGE_BATCH_PAGES
+from flatcake.mas.lanes import LaneOp, make_lanes
+from flatcake.replay.engine import EngineConfig, HbmCache, HostPages, ModelProfile, PageContent
+from flatcake.replay.traces import TraceRequest
+
+
+@dataclass(frozen=True)
+class ServingConfig:
+    """Knobs of the concurrent serving model (units: tokens, seconds, GB/s = 1e9 bytes/s).
+
+    Attributes:
+        qps: arrival rate the trace is scaled to (requests per second).
+        scheduler: ``"fcfs"`` (SGLang's FIFO prefetch I/O) or ``"mas"`` (FC-MAS lanes).
+        ssd_restores: SSD restores at once in the ``mas`` lanes (FlatCake's ``cio.windows``).
+        chunk_tokens: chunked-prefill tokens per GPU step (SGLang ``--chunked-prefill-size``).
+        max_running: requests in the running batch at most (SGLang ``--max-running-requests``).
+        max_output_tokens: decode tokens per request at most (bounds the run time).
+        step_overhead_s: fixed cost of one GPU step (launches, sampling, scheduling).
+        hbm_gbps: HBM bandwidth for the decode cost (weights + KV read per step).
+    """
+
+    qps: float
+    scheduler: str = "mas"
+    ssd_restores: int = 1
+    chunk_tokens: int = 8192
+    max_running: int = 64
+    max_output_tokens: int = 64
+    step_overhead_s: float = 0.005
+    hbm_gbps: float = 4800.0
+
+
+@dataclass(eq=False)
+class Live:
+    """One request in flight, and what it got (times: ``time.monotonic`` seconds)."""
+
+    idx: int
+    keys: Sequence[str]
+    prompt_tokens: int
+    output_tokens: int
+    arrival: float
+    hbm_pages: int = 0
+    hit: int = 0
+    delivered: int = 0
+    dram_pages: int = 0
+    ssd_pages: int = 0
+    declined_tokens: int = 0
+    revoked_tokens: int = 0
+    verify_failures: int = 0
+    query_s: float = 0.0
+    read_s: float = 0.0
+    written_pages: int = 0
+    lane: str = ""
+    lane_wait_s: float = 0.0
+    prefetch_s: float = 0.0
+    t_ready: float = 0.0
+    t_admit: float = 0.0
+    t_first: float = 0.0
+    deadline: float = float("inf")
+    host: Optional[torch.Tensor] = None
+    media: tuple = ()
+    leader: Optional["Live"] = None
+    followers: list = field(default_factory=list)
+    cancelled: bool = False
+    read_finished: bool = False
+    ready: threading.Event = field(default_factory=threading.Event)
+    prefill_left: int = 0
+    decode_left: int = 0
+    started_prefill: bool = False
+
+    @property
+    def ttft_s(self) -> float:
+        return self.t_first - self.arrival
+
+    @property
+    def fetch_keys(self) -> Sequence[str]:
+        return self.keys[self.hbm_pages:]
+
+
+class ServingModel:
+    """One system under one scheduler at one rate; :meth:`run` replays the requests.
+
+    Args:
+        system: an :class:`~flatcake.replay.systems.L3System`, or ``None`` for no L3.
+        profile: model profile (cost model, page geometry).
+        engine: the engine knobs shared with the sequential replay (HBM and host-pool pages,
+            prefetch threshold and policy).
+        cfg: the serving knobs.
+        host_pool: the host pool when ``system`` is ``None`` (else the system's).
+
+    Raises:
+        ValueError: an unknown scheduler, a rate <= 0, or a host pool under 2 × 128 pages.
+    """
+
+    def __init__(self, system, profile: ModelProfile, engine: EngineConfig, cfg: ServingConfig, host_pool=None):
+        if cfg.qps <= 0:
+            raise ValueError(f"qps must be > 0 (got {cfg.qps})")
+        self.system, self.profile, self.engine, self.cfg = system, profile, engine, cfg
+        pool = system.pool if system is not None else host_pool
+        self.pages = HostPages(pool)
+        if self.pages.free_pages < 2 * STORAGE_BATCH_PAGES:
+            raise ValueError(f"host_pool_pages must be >= {2 * STORAGE_BATCH_PAGES}")
+        self.pool = pool
+        self.hbm = HbmCache(engine.hbm_pages)
+        self.lanes = make_lanes(cfg.scheduler, cfg.ssd_restores)
+        self._hbm_lock = threading.Lock()
+        self._pages_lock = threading.Lock()
+        self._cv = threading.Condition()
+        self._waiting: list[Live] = []
+        self._inflight: dict[str, Live] = {}  # first fetch key -> the request reading it
+        self._query_q: "queue.SimpleQueue[Optional[Live]]" = queue.SimpleQueue()
+        self._verify_q: "queue.SimpleQueue[Optional[Live]]" = queue.SimpleQueue()
+        self._backup_q: "queue.SimpleQueue[Optional[Live]]" = queue.SimpleQueue()
+        self._arrived_all = False
+        self.backup_skipped_pages = 0
+        self.steps = 0
+
+    # ------------------------------------------------------------------ cost model
+    def step_s(self, prefill: Sequence[tuple[int, int]], decode_ctx: Sequence[int], load_bytes: int) -> float:
+        """Modelled seconds of one GPU step: ``prefill`` as ``(new, cached)`` token chunks,
+        ``decode_ctx`` the context tokens of each decoding request, ``load_bytes`` of L3 pages
+        copied host→HBM before their prefill."""
+        p = self.profile
+        t = self.cfg.step_overhead_s + p.load_s(load_bytes)
+        t += sum(p.prefill_s(n, c) for n, c in prefill)
+        if decode_ctx:
+            kv = sum(decode_ctx) * p.bytes_per_token
+            t += (2.0 * p.params + kv) / (self.cfg.hbm_gbps * 1e9)
+        return t
+
+    # ------------------------------------------------------------------ host pages
+    def _alloc(self, n: int) -> Optional[torch.Tensor]:
+        with self._pages_lock:
+            return self.pages.alloc(n) if n <= self.pages.free_pages else None
+
+    def _free(self, host: Optional[torch.Tensor]) -> None:
+        if host is not None:
+            with self._pages_lock:
+                self.pages.free(host)
+
+    # ------------------------------------------------------------------ hit queries + prefetch
+    def _query_loop(self) -> None:
+        while (r := self._query_q.get()) is not None:
+            self._prefetch(r)
+
+    def _set_ready(self, r: Live) -> None:
+        r.t_ready = time.monotonic()
+        r.prefetch_s = r.t_ready - r.arrival
+        r.ready.set()
+        with self._cv:
+            self._cv.notify_all()
+
+    def _prefetch(self, r: Live) -> None:
+        P, thr, sysm = self.profile.page_size, self.engine.prefetch_threshold_tokens, self.system
+        rest = list(r.fetch_keys)
+        if sysm is not None and rest and len(rest) * P >= thr:
+            t0 = time.perf_counter()
+            hit = sysm.exists(rest, list(r.keys[: r.hbm_pages]))
+            r.query_s = time.perf_counter() - t0
+            r.hit = max(0, min(int(hit), len(rest))) if hit * P >= thr else 0
+        if not r.hit:
+            return self._set_ready(r)
+        if self.engine.prefetch_policy == "timeout":
+            r.deadline = r.arrival + self.engine.prefetch_timeout_base_s + \
+                r.hit * P / 1024 * self.engine.prefetch_timeout_per_ki_token_s
+        lead = self._inflight.get(rest[0])
+        if lead is not None and lead.hit >= r.hit and list(lead.fetch_keys[: r.hit]) == rest[: r.hit]:
+            with self._cv:  # the same prefix is being read for another request: read it once
+                if not lead.read_finished:
+                    r.leader, r.lane = lead, "shared"
+                    lead.followers.append(r)
+                    return
+        summary = sysm.medium_summary(rest[: r.hit])
+        r.media = summary.media
+        r.host = self._alloc(r.hit)
+        if r.host is None:  # SGLang declines the prefetch when the host pool cannot hold it
+            r.declined_tokens, r.hit = r.hit * P, 0
+            return self._set_ready(r)
+        self._inflight[rest[0]] = r
+        op = LaneOp(str(r.idx), r.arrival, summary.dram_pages, summary.ssd_pages, summary.ssd_bytes,
+                    run=lambda: self._read(r), on_done=lambda op: self._read_done(r, op))
+        self.lanes.submit(op)
+
+    def _read(self, r: Live) -> None:
+        """The request's reads (a lane thread): 128-page calls, timed, stopping at the first
+        page not delivered or once the request was admitted without them (``timeout``)."""
+        P, rest, prefix = self.profile.page_size, list(r.fetch_keys), list(r.keys[: r.hbm_pages])
+        for b in range(0, r.hit, STORAGE_BATCH_PAGES):
+            if r.cancelled:
+                return
+            batch = rest[b: min(r.hit, b + STORAGE_BATCH_PAGES)]
+            host = r.host[b * P: (b + len(batch)) * P]
+            t0 = time.perf_counter()
+            got, _, _ = self.system.get(batch, host, prefix + rest[:b])
+            r.read_s += time.perf_counter() - t0
+            r.delivered += got
+            if got < len(batch):
+                return
+
+    def _read_done(self, r: Live, op: LaneOp) -> None:
+        r.lane, r.lane_wait_s = op.lane, op.started_s - op.submitted_s
+        self._inflight.pop(r.fetch_keys[0], None)
+        r.dram_pages = r.media[: r.delivered].count("dram")
+        r.ssd_pages = r.delivered - r.dram_pages
+        with self._cv:
+            followers, r.followers, r.read_finished = r.followers, [], True
+        for f in followers:
+            f.delivered = min(f.hit, r.delivered)
+            f.dram_pages = r.media[: f.delivered].count("dram")
+            f.ssd_pages = f.delivered - f.dram_pages
+            self._set_ready(f)
+        self._verify_q.put(r)
+        if not r.cancelled:
+            self._set_ready(r)
+
+    def _verify_loop(self) -> None:
+        content = PageContent(self.pool)
+        P = self.profile.page_size
+        while (r := self._verify_q.get()) is not None:
+            for i in range(r.delivered):
+                if not content.verify(int(r.host[i * P]), r.fetch_keys[i]):
+                    r.verify_failures += 1
+            self._free(r.host)
+
+    # ------------------------------------------------------------------ backup
+    def _backup_loop(self) -> None:
+        content = PageContent(self.pool)
+        P = self.profile.page_size
+        while (r := self._backup_q.get()) is not None:
+            start = r.hbm_pages + r.delivered
+            todo = list(r.keys[start:])
+            for b in range(0, len(todo), STORAGE_BATCH_PAGES):
+                batch = todo[b: b + STORAGE_BATCH_PAGES]
+                host = self._alloc(len(batch))
+                if host is None:
+                    self.backup_skipped_pages += len(todo) - b
+                    break
+                try:
+                    for i, k in enumerate(batch):
+                        content.fill(int(host[i * P]), k)
+                    ok = self.system.set(batch, host, list(r.keys[: start + b]))
+                finally:
+                    self._free(host)
+                if not ok:
+                    break
+                r.written_pages += len(batch)
+
+    # ------------------------------------------------------------------ GPU
+    def _admit_locked(self, running: list[Live], now: float) -> None:
+        for r in list(self._waiting):
+            if len(running) >= self.cfg.max_running:
+                return
+            if not r.ready.is_set():
+                if now < r.deadline or r.leader is not None:
+                    continue  # SGLang skips a request whose prefetch is not done
+                r.cancelled = True  # timeout: admitted with what was read so far
+                r.revoked_tokens = (r.hit - r.delivered) * self.profile.page_size
+                r.dram_pages = r.media[: r.delivered].count("dram")
+                r.ssd_pages = r.delivered - r.dram_pages
+                r.t_ready = now
+            self._waiting.remove(r)
+            r.t_admit = now
+            cached = (r.hbm_pages + r.delivered) * self.profile.page_size
+            r.prefill_left = max(1, r.prompt_tokens - cached)
+            r.decode_left = min(r.output_tokens, self.cfg.max_output_tokens) - 1  # the first comes with the prefill
+            running.append(r)
+
+    def _gpu_loop(self, n_requests: int) -> None:
+        running: list[Live] = []
+        done = 0
+        while done < n_requests:
+            with self._cv:
+                self._admit_locked(running, time.monotonic())
+                if not running:
+                    self._cv.wait(0.005)
+                    continue
+            budget, prefill, decode_ctx, load, finishing = self.cfg.chunk_tokens, [], [], 0, []
+            for r in running:
+                if r.prefill_left > 0 and budget > 0:
+                    n = min(r.prefill_left, budget)
+                    cached = r.prompt_tokens - r.prefill_left
+                    prefill.append((n, cached))
+                    if not r.started_prefill:
+                        r.started_prefill = True
+                        load += r.delivered * self.profile.page_bytes
+                    budget -= n
+                    r.prefill_left -= n
+                    if r.prefill_left == 0:
+                        finishing.append(r)
+                elif r.prefill_left == 0:
+                    decode_ctx.append(r.prompt_tokens + r.output_tokens - r.decode_left)
+            t_end = time.monotonic() + self.step_s(prefill, decode_ctx, load)
+            time.sleep(max(0.0, t_end - time.monotonic()))
+            now = time.monotonic()
+            self.steps += 1
+            for r in running:
+                if r.prefill_left == 0 and r not in finishing:
+                    r.decode_left -= 1
+            for r in finishing:
+                r.t_first = now
+                with self._hbm_lock:
+                    self.hbm.insert(r.keys)
+                if self.system is not None:
+                    self._backup_q.put(r)
+            for r in [r for r in running if r.prefill_left == 0 and r.decode_left <= 0]:
+                running.remove(r)
+                done += 1
+
+    # ------------------------------------------------------------------ run
+    def run(self, reqs: Sequence[TraceRequest], keys: Sequence[Sequence[str]]) -> list[Live]:
+        """Replay ``reqs`` (with page keys ``keys``) at ``cfg.qps``: arrival times are shifted
+        to start at 0 and scaled by ``native rate / qps``. Returns every request's record
+        once all are served, written back and verified."""
+        t_first = reqs[0].arrival_s if reqs else 0.0
+        span = (reqs[-1].arrival_s - t_first) if len(reqs) > 1 else 0.0
+        native = (len(reqs) - 1) / span if span > 0 else self.cfg.qps
+        scale = native / self.cfg.qps
+        threads = [threading.Thread(target=f, name=f"fc-serve-{n}", daemon=True) for n, f in
+                   (("query", self._query_loop), ("verify", self._verify_loop), ("backup", self._backup_loop))]
+        gpu = threading.Thread(target=self._gpu_loop, args=(len(reqs),), name="fc-serve-gpu", daemon=True)
+        for t in threads + [gpu]:
+            t.start()
+        lives = []
+        t0 = time.monotonic()
+        for i, (q, ks) in enumerate(zip(reqs, keys)):
+            at = t0 + (q.arrival_s - t_first) * scale
+            time.sleep(max(0.0, at - time.monotonic()))
+            r = Live(i, ks, q.prompt_tokens, max(1, q.output_tokens), time.monotonic())
+            with self._hbm_lock:
+                r.hbm_pages = self.hbm.match_prefix(ks)
+            with self._cv:
+                self._waiting.append(r)
+            lives.append(r)
+            self._query_q.put(r)
+        gpu.join()
+        self.lanes.close()
+        for q in (self._query_q, self._verify_q, self._backup_q):
+            q.put(None)
+        for t in threads:
+            t.join()
+        return lives
+
+
+def serving_summary(lives: Sequence[Live], page_size: int, makespan_s: float, backup_skipped_pages: int = 0) -> dict:
+    """Per system and rate: delivered hit rate, hits by medium, TTFT, queueing, SSD prefetch
+    latency, DRAM-lane wait, declined and revoked prefetch tokens, throughput (seconds, tokens)."""
+
+    def stats(xs) -> dict:
+        a = np.asarray(list(xs) or [0.0], dtype=np.float64)
+        return {"mean": float(a.mean()), "p50": float(np.percentile(a, 50)), "p99": float(np.percentile(a, 99))}
+
+    pages = sum(len(r.keys) for r in lives)
+    hbm = sum(r.hbm_pages for r in lives)
+    dram = sum(r.dram_pages for r in lives)
+    ssd = sum(r.ssd_pages for r in lives)
+    ssd_lane = [r for r in lives if r.lane in ("ssd", "fifo") and r.ssd_pages]
+    dram_only = [r for r in lives if r.lane in ("dram", "fifo") and r.hit and not r.media.count("ssd")]
+    tokens = sum(r.prompt_tokens + r.output_tokens for r in lives)
+    return {
+        "requests": len(lives),
+        "delivered_hit_rate": (hbm + dram + ssd) / pages if pages else None,
+        "hit_tokens": {"hbm": hbm * page_size, "dram": dram * page_size, "ssd": ssd * page_size},
+        "ttft_s": stats(r.ttft_s for r in lives),
+        "queue_s": stats(r.t_admit - r.t_ready for r in lives),
+        "prefetch_s": stats(r.prefetch_s for r in lives),
+        "ssd_prefetch_s": stats(r.prefetch_s for r in ssd_lane),
+        "dram_lane_wait_p99_s": stats(r.lane_wait_s for r in dram_only)["p99"],
+        "dram_hit_requests": len(dram_only),
+        "ssd_restore_requests": len(ssd_lane),
+        "shared_reads": sum(1 for r in lives if r.lane == "shared"),
+        "declined_prefetch_tokens": sum(r.declined_tokens for r in lives),
+        "revoked_prefetch_tokens": sum(r.revoked_tokens for r in lives),
+        "backup_skipped_pages": backup_skipped_pages,
+        "written_pages": sum(r.written_pages for r in lives),
+        "verify_failures": sum(r.verify_failures for r in lives),
+        "tokens_per_s": tokens / makespan_s if makespan_s > 0 else None,
+        "makespan_s": makespan_s,
+    }
+
+
+__all__ = ["Live", "ServingConfig", "ServingModel", "serving_summary"]

@@ -1,0 +1,107 @@
+"""``flatcake-replay --qps R[,R...] [--scheduler fcfs,mas]``: the trace under load, through the
+concurrent serving model (:mod:`flatcake.replay.serving`), for each rate, scheduler and system.
+
+Each (rate, scheduler, system) run gets a fresh store in ``<out>/flatcake-ssd`` (or
+``hicache-file``), removed afterwards unless ``keep_data``. Outputs: ``<out>/serving.json``
+(``{"runs": [{"qps", "scheduler", "system", ...serving_summary...}]}``) and ``serving.md``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+from flatcake.replay.engine import EngineConfig, ModelProfile
+from flatcake.replay.keys import PageKeyer
+from flatcake.replay.serving import ServingConfig, ServingModel, serving_summary
+from flatcake.replay.systems import make_system
+from flatcake.replay.traces import load_trace
+
+SCHEDULERS = ("fcfs", "mas")
+
+
+def parse_rates(text: str) -> list[float]:
+    """``"0.1,0.25,1"`` -> ``[0.1, 0.25, 1.0]``.
+
+    Raises:
+        ValueError: a rate that is not a number > 0 (message names ``--qps``).
+    """
+    try:
+        rates = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--qps: expected comma-separated numbers (got {text!r})") from None
+    if not rates or any(r <= 0 for r in rates):
+        raise ValueError(f"--qps: rates must be > 0 (got {text!r})")
+    return rates
+
+
+def parse_schedulers(text: str) -> list[str]:
+    """``"fcfs,mas"`` -> ``["fcfs", "mas"]``.
+
+    Raises:
+        ValueError: an unknown scheduler (message names ``--scheduler``).
+    """
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    bad = [n for n in names if n not in SCHEDULERS]
+    if not names or bad:
+        raise ValueError(f"--scheduler: must be fcfs, mas or fcfs,mas (got {text!r})")
+    return names
+
+
+def run_sweep(fc_keys: dict, settings: dict[str, Any], profile: ModelProfile, ecfg: EngineConfig,
+              rates: Sequence[float], schedulers: Sequence[str], ssd_restores: int = 1) -> dict[str, Any]:
+    """Serve the trace of ``settings`` at every rate under every scheduler on every system.
+
+    Returns:
+        ``{"trace", "requests", "runs": [...]}`` (also written to ``<out>/serving.json``).
+    """
+    out = Path(settings["out"])
+    reqs = load_trace(Path(settings["trace"]), max_requests=settings["max_requests"], sessions=settings["sessions"],
+                      session_gap_s=settings["session_gap_s"], skip_sessions=settings["skip_sessions"],
+                      max_context_tokens=settings["max_context_tokens"])
+    out.mkdir(parents=True, exist_ok=True)
+    keyer = PageKeyer(profile.page_size)
+    keys = [keyer.keys(r) for r in reqs]
+    runs = []
+    for qps in rates:
+        for sched in schedulers:
+            for name in settings["systems"]:
+                system = make_system(name, profile, settings["host_pool_pages"], out, fc_keys,
+                                     settings["file_extra"], settings["drop_page_cache"])
+                try:
+                    model = ServingModel(system, profile, ecfg, ServingConfig(qps=qps, scheduler=sched,
+                                                                              ssd_restores=ssd_restores))
+                    t0 = time.monotonic()
+                    lives = model.run(reqs, keys)
+                    s = serving_summary(lives, profile.page_size, time.monotonic() - t0, model.backup_skipped_pages)
+                    s["counters"] = system.counters()
+                finally:
+                    system.close()
+                    if not settings["keep_data"]:
+                        shutil.rmtree(out / ("hicache-file" if name == "file" else "flatcake-ssd"), ignore_errors=True)
+                runs.append({"qps": qps, "scheduler": sched, "system": name, **s})
+    result = {"trace": os.path.normpath(str(settings["trace"])), "requests": len(reqs), "runs": runs}
+    (out / "serving.json").write_text(json.dumps(result, indent=2) + "\n")
+    (out / "serving.md").write_text(serving_markdown(result))
+    return result
+
+
+def serving_markdown(result: dict[str, Any]) -> str:
+    """One row per (rate, scheduler, system)."""
+    head = ("| qps | scheduler | system | hit rate | TTFT mean (s) | TTFT p99 (s) | queue p99 (s) | "
+            "SSD prefetch p99 (s) | DRAM-lane wait p99 (s) | declined tok | revoked tok | tok/s | verify failures |")
+    rows = [f"Trace `{result['trace']}`, {result['requests']} requests.", "", head, "|" + "---|" * 13]
+    for r in result["runs"]:
+        rows.append(f"| {r['qps']:g} | {r['scheduler']} | {r['system']} | {r['delivered_hit_rate']:.2%} | "
+                    f"{r['ttft_s']['mean']:.3f} | {r['ttft_s']['p99']:.3f} | {r['queue_s']['p99']:.3f} | "
+                    f"{r['ssd_prefetch_s']['p99']:.3f} | {r['dram_lane_wait_p99_s']:.3f} | "
+                    f"{r['declined_prefetch_tokens']:,} | {r['revoked_prefetch_tokens']:,} | "
+                    f"{r['tokens_per_s']:,.0f} | {r['verify_failures']} |")
+    return "\n".join(rows) + "\n"
+
+
+__all__ = ["SCHEDULERS", "parse_rates", "parse_schedulers", "run_sweep", "serving_markdown"]

@@ -1,0 +1,183 @@
+#!/usr/bin/env python3
+"""FC-MAS benchmark (paper §3.2, docs/performance.md): TTFT under load with SGLang's FIFO
+prefetch I/O (``fcfs``) and with FC-MAS lanes (``mas``), same mix, same run.
+
+The mix, built from the shipped real traces:
+
+* agent sessions — the first ``--agents`` WEKA Claude Code conversations: turn 1 cut to its
+  first ``--agent-context`` tokens is replayed in the warm-up, so that context is written; the
+  measured request is turn 2 cut to the same context plus 1,024 new tokens (agent scope: SSD, ``placement.l_agent_tokens`` is
+  set to 4096 here);
+* short requests — the Mooncake conversation trace's first ``--short`` requests cut to their
+  first ``--short-blocks`` 512-token blocks plus a partial tail; every one starts with the shared
+  block 0, which the warm-up writes as a shared prompt (two hit queries first: DRAM).
+
+Warm-up runs one request at a time (:class:`flatcake.replay.engine.Engine`); the measured phase
+runs the concurrent serving model (:mod:`flatcake.replay.serving`): short requests arrive as a
+Poisson stream at ``--qps`` (seeded), the agent turns evenly spread over the same window. The
+HBM prefix cache is off, so every prefix comes from L3. Each scheduler gets a fresh store and
+the same warm-up; ``--repeats`` runs of each, medians reported.
+
+    python scripts/bench_mas.py --json runs/bench/mas.json
+
+``--json FILE`` writes ``{"systems": {"fcfs": {...}, "mas": {...}}, "ttft_p99_ratio",
+"ttft_mean_ratio", "dram_lane_wait_p99_s": {...}, "runs": [...]}`` (ratios are mas / fcfs of the
+medians). Storage files go to a temporary directory under ``--dir`` that is removed at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import random
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from flatcake.config import read_yaml  # noqa: E402
+from flatcake.replay.engine import Engine, EngineConfig, ModelProfile  # noqa: E402
+from flatcake.replay.keys import PageKeyer  # noqa: E402
+from flatcake.replay.serving import ServingConfig, ServingModel, serving_summary  # noqa: E402
+from flatcake.replay.systems import make_system  # noqa: E402
+from flatcake.replay.traces import load_trace  # noqa: E402
+
+TRACES = ROOT.parent / "shared" / "traces"
+WEKA = TRACES / "weka_kv_cache_tester" / "kv_cache_tester_traces_710.tar.xz"
+MOONCAKE = TRACES / "mooncake" / "conversation_trace.jsonl"
+NEW_TURN_TOKENS = 1024  # tokens an agent's measured turn adds to its context
+
+
+def build_mix(args):
+    """``(warmup, measured)`` lists of TraceRequest; measured ones carry their arrival times."""
+    conv = load_trace(args.weka, sessions=args.agents)
+    by_ns: dict[str, list] = {}
+    for r in conv:
+        by_ns.setdefault(r.namespace, []).append(r)
+    agents_warm, agents = [], []
+    for rs in by_ns.values():  # turns 1 and 2, cut to the context budget: turn 2 extends turn 1
+        if len(rs) < 2:
+            continue
+        nb = args.agent_context // rs[0].block_tokens
+        a, b = rs[0], rs[1]
+        agents_warm.append(dataclasses.replace(a, block_ids=a.block_ids[:nb], prompt_tokens=nb * a.block_tokens))
+        mb = nb + NEW_TURN_TOKENS // b.block_tokens
+        agents.append(dataclasses.replace(b, block_ids=b.block_ids[:mb], prompt_tokens=mb * b.block_tokens,
+                                          output_tokens=min(b.output_tokens, 64)))
+    shorts = []
+    for r in load_trace(args.mooncake, max_requests=args.short):
+        b = min(args.short_blocks, len(r.block_ids))
+        shorts.append(dataclasses.replace(r, block_ids=r.block_ids[:b], prompt_tokens=b * r.block_tokens + 64,
+                                          output_tokens=min(r.output_tokens, 64)))
+    rng = random.Random(args.seed)
+    t, times = 0.0, []
+    for _ in shorts:
+        t += rng.expovariate(args.qps)
+        times.append(t)
+    window = times[-1] if times else 1.0
+    measured = [dataclasses.replace(r, arrival_s=at) for r, at in zip(shorts, times)]
+    measured += [dataclasses.replace(r, arrival_s=(i + 0.5) * window / max(1, len(agents)))
+                 for i, r in enumerate(agents)]
+    measured.sort(key=lambda r: r.arrival_s)
+    return agents_warm + shorts[:2], measured
+
+
+def one_run(args, profile, scheduler: str, warm, measured, base: Path) -> dict:
+    keyer = PageKeyer(profile.page_size)
+    out = Path(tempfile.mkdtemp(prefix=f"mas-{scheduler}-", dir=base))
+    fc = {"dram.capacity_bytes": 256 << 20, "ssd.file_bytes": 256 << 20, "ssd.max_files": args.max_files,
+          "placement.l_agent_tokens": 4096, "cio.windows": args.ssd_restores}
+    system = make_system("flatcake", profile, args.host_pool_pages, out, fc)
+    try:
+        ecfg = EngineConfig(hbm_pages=0, host_pool_pages=args.host_pool_pages)
+        warm_engine = Engine(system, profile, ecfg)
+        for r in warm[-2:]:  # the two short requests ask before either is written: a shared prompt
+            system.exists(keyer.keys(r), [])
+        for r in warm:
+            warm_engine.run(keyer.keys(r), r.prompt_tokens)
+        native = (len(measured) - 1) / (measured[-1].arrival_s - measured[0].arrival_s)
+        model = ServingModel(system, profile, ecfg, ServingConfig(qps=native, scheduler=scheduler,
+                                                                  ssd_restores=args.ssd_restores))
+        t0 = time.monotonic()
+        lives = model.run(measured, [keyer.keys(r) for r in measured])
+        s = serving_summary(lives, profile.page_size, time.monotonic() - t0, model.backup_skipped_pages)
+        s["counters"] = system.counters()
+        return s
+    finally:
+        system.close()
+        shutil.rmtree(out, ignore_errors=True)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--profile", default=str(ROOT / "configs" / "model-qwen2.5-0.5b.yaml"))
+    ap.add_argument("--weka", default=str(WEKA))
+    ap.add_argument("--mooncake", default=str(MOONCAKE))
+    ap.add_argument("--agents", type=int, default=16, help="WEKA conversations (default 16)")
+    ap.add_argument("--agent-context", type=int, default=8192, help="agent context tokens written in the warm-up (default 8192)")
+    ap.add_argument("--short", type=int, default=200, help="short requests (default 200)")
+    ap.add_argument("--short-blocks", type=int, default=2, help="512-token blocks per short prompt (default 2)")
+    ap.add_argument("--qps", type=float, default=40.0, help="short-request arrival rate (default 40/s)")
+    ap.add_argument("--ssd-restores", type=int, default=1, help="concurrent SSD restores, cio.windows (default 1)")
+    ap.add_argument("--host-pool-pages", type=int, default=1024)
+    ap.add_argument("--max-files", type=int, default=16, help="256 MiB pool files (default 16: 4 GiB, so nothing is evicted)")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--dir", default=tempfile.gettempdir(), help="where the temporary storage goes")
+    ap.add_argument("--json", help="write the results here")
+    args = ap.parse_args(argv)
+    profile = ModelProfile.from_dict(read_yaml(Path(args.profile))["model"])
+    warm, measured = build_mix(args)
+    runs = []
+    for rep in range(args.repeats):
+        for sched in (("fcfs", "mas") if rep % 2 == 0 else ("mas", "fcfs")):
+            s = one_run(args, profile, sched, warm, measured, Path(args.dir))
+            runs.append({"scheduler": sched, **s})
+            print(f"[{rep + 1}/{args.repeats}] {sched}: TTFT p99 {s['ttft_s']['p99']:.3f} s, mean "
+                  f"{s['ttft_s']['mean']:.3f} s, hit rate {s['delivered_hit_rate']:.3f}, DRAM-lane wait p99 "
+                  f"{s['dram_lane_wait_p99_s']:.3f} s, verify failures {s['verify_failures']}", flush=True)
+
+    def med(sched, *path):
+        vals = []
+        for r in runs:
+            if r["scheduler"] == sched:
+                v = r
+                for p in path:
+                    v = v[p]
+                vals.append(v)
+        return statistics.median(vals)
+
+    systems = {}
+    for sched in ("fcfs", "mas"):
+        systems[sched] = {"ttft_s": {k: med(sched, "ttft_s", k) for k in ("mean", "p50", "p99")},
+                          "delivered_hit_rate": med(sched, "delivered_hit_rate"),
+                          "dram_lane_wait_p99_s": med(sched, "dram_lane_wait_p99_s"),
+                          "ssd_prefetch_s": {k: med(sched, "ssd_prefetch_s", k) for k in ("mean", "p99")},
+                          "queue_s_p99": med(sched, "queue_s", "p99"),
+                          "tokens_per_s": med(sched, "tokens_per_s"),
+                          "verify_failures": sum(r["verify_failures"] for r in runs if r["scheduler"] == sched)}
+    out = {
+        "mix": {"agents": sum(1 for r in measured if r.namespace.startswith("weka")),
+                "short": sum(1 for r in measured if not r.namespace.startswith("weka")), "qps_short": args.qps,
+                "ssd_restores": args.ssd_restores, "repeats": args.repeats, "profile": profile.name},
+        "systems": systems,
+        "ttft_p99_ratio": systems["mas"]["ttft_s"]["p99"] / systems["fcfs"]["ttft_s"]["p99"],
+        "ttft_mean_ratio": systems["mas"]["ttft_s"]["mean"] / systems["fcfs"]["ttft_s"]["mean"],
+        "dram_lane_wait_p99_s": {k: systems[k]["dram_lane_wait_p99_s"] for k in systems},
+        "runs": runs,
+    }
+    print(json.dumps({k: v for k, v in out.items() if k != "runs"}, indent=2))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
