@@ -72,12 +72,12 @@ def test_a_failed_journal_append_fails_the_put_and_publishes_nothing(ssd_dir, mo
 def test_a_torn_journal_append_is_repaired_before_the_next_entry(ssd_dir, monkeypatch):
     store, pool, lay = make_store(ssd_dir)
     put_pages(store, pool, lay, ["p0"], [0])
-    jfd = store.scopes.journal._fd
+    journal = store.ssd.journal_path
     real = os.write
     torn = []
 
     def write(fd, data):
-        if fd == jfd and not torn:
+        if not torn and os.readlink(f"/proc/self/fd/{fd}") == journal:
             torn.append(fd)
             return real(fd, data[:20])  # a short write: 20 of 64 bytes
         return real(fd, data)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 from flatcake_testkit import page_matches, slots_of, write_pages
 
+from flatcake.gva import mirror as mirror_mod
 from flatcake.media.errors import SsdStartupError
 
 
@@ -102,8 +103,8 @@ def test_a_follower_keeps_what_it_mirrored_when_the_writer_compacts(make_backend
         write_pages(w, wpool, keys, range(3))
     assert all(f.batch_exists(keys) == 3 for keys in sess)
     reads = []
-    real = f.store.mirror.__class__._mirror_round_locked
-    monkeypatch.setattr(f.store.mirror.__class__, "_mirror_round_locked", lambda self, e: (reads.append(e), real(self, e)))
+    real = mirror_mod.read_round
+    monkeypatch.setattr(mirror_mod, "read_round", lambda *a, **kw: (reads.append(a[1]), real(*a, **kw))[1])
     w.clear()  # drops every scope ...
     write_pages(w, wpool, sess[0], range(3))  # ... one comes back as a new scope
     w2 = [f"d{i}" for i in range(2)]
