@@ -127,7 +127,7 @@ def main(argv=None) -> int:
     ap.add_argument("--ssd-restores", type=int, default=1, help="concurrent SSD restores, cio.windows (default 1)")
     ap.add_argument("--host-pool-pages", type=int, default=1024)
     ap.add_argument("--max-files", type=int, default=16, help="256 MiB pool files (default 16: 4 GiB, so nothing is evicted)")
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5, help="runs of each scheduler (default 5; medians reported)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--dir", default=tempfile.gettempdir(), help="where the temporary storage goes")
     ap.add_argument("--json", help="write the results here")

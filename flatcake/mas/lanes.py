@@ -1,10 +1,10 @@
 """Restore lanes: the threads that run prefetch I/O in the order FC-MAS decides (paper §3.2).
 
-One implementation, two drivers: the replay's concurrent serving model
-(:mod:`flatcake.replay.serving`) and, inside an SGLang server, the FlatCake plugin
-(:mod:`flatcake.adapter.plugin`) both hand each request's prefetch to a :class:`Lanes` object
-as a :class:`LaneOp` — what its cached prefix needs (pages on DRAM, pages and bytes on SSD) and a
-callable that performs the reads — and are told when it is done.
+Whoever drives them — today the replay's concurrent serving model
+(:mod:`flatcake.replay.serving`); an SGLang controller plugin is meant to use the same class —
+hands each request's prefetch to a :class:`Lanes` object as a :class:`LaneOp` (what its cached
+prefix needs: pages on DRAM, pages and bytes on SSD, and a callable that performs the reads) and
+is told when it is done.
 
 * :class:`FifoLanes` — SGLang 0.5.23's own behaviour: one I/O thread, operations strictly in
   submission order, so a DRAM-only prefetch waits behind every SSD restore queued before it.

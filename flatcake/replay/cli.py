@@ -291,7 +291,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--qps", help="serve under load at these arrival rates (req/s, comma-separated): "
                    "the concurrent serving model, outputs serving.json/serving.md")
     p.add_argument("--scheduler", default="mas", help="with --qps: prefetch I/O order, fcfs | mas | fcfs,mas (default mas)")
-    p.add_argument("--ssd-restores", type=int, default=1, help="with --qps: concurrent SSD restores in the mas lanes")
+    p.add_argument("--ssd-restores", type=int, help="with --qps: concurrent SSD restores in the mas lanes "
+                   "(default: the config's cio.windows)")
     return p
 
 
@@ -306,9 +307,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except (ConfigError, ValueError, FileNotFoundError) as e:
         print(f"flatcake-replay: {e}", file=sys.stderr)
         return 2
+    try:  # serving flags are checked even without --qps: a typo never passes silently
+        scheds = parse_schedulers(args.scheduler)
+        rates = parse_rates(args.qps) if args.qps is not None else None
+        restores = cfg.cio.windows if args.ssd_restores is None else args.ssd_restores
+        if restores < 1:
+            raise ValueError(f"--ssd-restores: must be at least 1 (got {restores})")
+        if rates is None and (args.ssd_restores is not None or args.scheduler != "mas"):
+            raise ValueError("--scheduler and --ssd-restores apply to the serving model: add --qps R")
+    except ValueError as e:
+        print(f"flatcake-replay: {e}", file=sys.stderr)
+        return 2
     t0 = time.perf_counter()
-    if args.qps:
-        return _serve(cfg, settings, profile, args, t0)
+    if rates is not None:
+        return _serve(cfg, settings, profile, rates, scheds, restores, t0)
     try:
         summary = run_replay(cfg, settings, profile, progress=not args.no_progress)
     except TraceFormatError as e:
@@ -320,15 +332,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return 1 if bad else 0
 
 
-def _serve(cfg: FlatCakeConfig, settings: dict, profile: ModelProfile, args, t0: float) -> int:
+def _serve(cfg: FlatCakeConfig, settings: dict, profile: ModelProfile, rates: list, scheds: list, restores: int,
+           t0: float) -> int:
     """``--qps``: the concurrent serving sweep (:mod:`flatcake.replay.sweep`)."""
     try:
-        rates, scheds = parse_rates(args.qps), parse_schedulers(args.scheduler)
-        if args.ssd_restores < 1:
-            raise ValueError(f"--ssd-restores: must be at least 1 (got {args.ssd_restores})")
         ecfg = EngineConfig(**{f.name: settings[f.name] for f in dataclasses.fields(EngineConfig)})
         fc_keys = _flatten(cfg.model_dump(exclude={"model", "replay"}))
-        result = run_sweep(fc_keys, settings, profile, ecfg, rates, scheds, args.ssd_restores)
+        result = run_sweep(fc_keys, settings, profile, ecfg, rates, scheds, restores)
     except (ValueError, TraceFormatError) as e:
         print(f"flatcake-replay: {e}", file=sys.stderr)
         return 2

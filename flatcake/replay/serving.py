@@ -83,6 +83,7 @@ class Live:
     hbm_pages: int = 0
     hit: int = 0
     delivered: int = 0
+    read_pages: int = 0
     dram_pages: int = 0
     ssd_pages: int = 0
     declined_tokens: int = 0
@@ -107,6 +108,7 @@ class Live:
     ready: threading.Event = field(default_factory=threading.Event)
     prefill_left: int = 0
     decode_left: int = 0
+    decode_total: int = 0
     started_prefill: bool = False
 
     @property
@@ -234,19 +236,22 @@ class ServingModel:
             t0 = time.perf_counter()
             got, _, _ = self.system.get(batch, host, prefix + rest[:b])
             r.read_s += time.perf_counter() - t0
-            r.delivered += got
+            r.read_pages += got
             if got < len(batch):
                 return
 
     def _read_done(self, r: Live, op: LaneOp) -> None:
         r.lane, r.lane_wait_s = op.lane, op.started_s - op.submitted_s
         self._inflight.pop(r.fetch_keys[0], None)
-        r.dram_pages = r.media[: r.delivered].count("dram")
-        r.ssd_pages = r.delivered - r.dram_pages
+        with self._cv:  # a request admitted on its deadline keeps what it had then
+            if not r.cancelled:
+                r.delivered = r.read_pages
+                r.dram_pages = r.media[: r.delivered].count("dram")
+                r.ssd_pages = r.delivered - r.dram_pages
         with self._cv:
             followers, r.followers, r.read_finished = r.followers, [], True
         for f in followers:
-            f.delivered = min(f.hit, r.delivered)
+            f.delivered = min(f.hit, r.read_pages)  # admitted after the whole read: all of it counts
             f.dram_pages = r.media[: f.delivered].count("dram")
             f.ssd_pages = f.delivered - f.dram_pages
             self._set_ready(f)
@@ -258,7 +263,7 @@ class ServingModel:
         content = PageContent(self.pool)
         P = self.profile.page_size
         while (r := self._verify_q.get()) is not None:
-            for i in range(r.delivered):
+            for i in range(r.read_pages):  # every page read, also those a timeout left unused
                 if not content.verify(int(r.host[i * P]), r.fetch_keys[i]):
                     r.verify_failures += 1
             self._free(r.host)
@@ -295,6 +300,7 @@ class ServingModel:
                 if now < r.deadline or r.leader is not None:
                     continue  # SGLang skips a request whose prefetch is not done
                 r.cancelled = True  # timeout: admitted with what was read so far
+                r.delivered = r.read_pages
                 r.revoked_tokens = (r.hit - r.delivered) * self.profile.page_size
                 r.dram_pages = r.media[: r.delivered].count("dram")
                 r.ssd_pages = r.delivered - r.dram_pages
@@ -303,7 +309,8 @@ class ServingModel:
             r.t_admit = now
             cached = (r.hbm_pages + r.delivered) * self.profile.page_size
             r.prefill_left = max(1, r.prompt_tokens - cached)
-            r.decode_left = min(r.output_tokens, self.cfg.max_output_tokens) - 1  # the first comes with the prefill
+            r.decode_total = min(r.output_tokens, self.cfg.max_output_tokens)
+            r.decode_left = r.decode_total - 1  # the first token comes with the prefill
             running.append(r)
 
     def _gpu_loop(self, n_requests: int) -> None:
@@ -329,7 +336,7 @@ class ServingModel:
                     if r.prefill_left == 0:
                         finishing.append(r)
                 elif r.prefill_left == 0:
-                    decode_ctx.append(r.prompt_tokens + r.output_tokens - r.decode_left)
+                    decode_ctx.append(r.prompt_tokens + r.decode_total - r.decode_left)
             t_end = time.monotonic() + self.step_s(prefill, decode_ctx, load)
             time.sleep(max(0.0, t_end - time.monotonic()))
             now = time.monotonic()
@@ -384,10 +391,13 @@ class ServingModel:
 
 def serving_summary(lives: Sequence[Live], page_size: int, makespan_s: float, backup_skipped_pages: int = 0) -> dict:
     """Per system and rate: delivered hit rate, hits by medium, TTFT, queueing, SSD prefetch
-    latency, DRAM-lane wait, declined and revoked prefetch tokens, throughput (seconds, tokens)."""
+    latency, DRAM-lane wait, declined and revoked prefetch tokens, throughput (seconds, tokens).
+    A statistic over no requests (no SSD restore, no DRAM-only prefetch) is ``None``."""
 
-    def stats(xs) -> dict:
-        a = np.asarray(list(xs) or [0.0], dtype=np.float64)
+    def stats(xs) -> dict:  # None when there is nothing to measure (not 0: no such requests)
+        a = np.asarray(list(xs), dtype=np.float64)
+        if not a.size:
+            return {"mean": None, "p50": None, "p99": None}
         return {"mean": float(a.mean()), "p50": float(np.percentile(a, 50)), "p99": float(np.percentile(a, 99))}
 
     pages = sum(len(r.keys) for r in lives)
@@ -396,7 +406,7 @@ def serving_summary(lives: Sequence[Live], page_size: int, makespan_s: float, ba
     ssd = sum(r.ssd_pages for r in lives)
     ssd_lane = [r for r in lives if r.lane in ("ssd", "fifo") and r.ssd_pages]
     dram_only = [r for r in lives if r.lane in ("dram", "fifo") and r.hit and not r.media.count("ssd")]
-    tokens = sum(r.prompt_tokens + r.output_tokens for r in lives)
+    tokens = sum(r.prompt_tokens + r.decode_total for r in lives)
     return {
         "requests": len(lives),
         "delivered_hit_rate": (hbm + dram + ssd) / pages if pages else None,

@@ -31,7 +31,7 @@ def parse_rates(text: str) -> list[float]:
         ValueError: a rate that is not a number > 0 (message names ``--qps``).
     """
     try:
-        rates = [float(x) for x in text.split(",") if x.strip()]
+        rates = [float(x) for x in text.split(",")]
     except ValueError:
         raise ValueError(f"--qps: expected comma-separated numbers (got {text!r})") from None
     if not rates or any(r <= 0 for r in rates):
@@ -91,16 +91,20 @@ def run_sweep(fc_keys: dict, settings: dict[str, Any], profile: ModelProfile, ec
 
 
 def serving_markdown(result: dict[str, Any]) -> str:
-    """One row per (rate, scheduler, system)."""
+    """One row per (rate, scheduler, system); "–" where nothing was measured (e.g. no SSD
+    restore at all)."""
     head = ("| qps | scheduler | system | hit rate | TTFT mean (s) | TTFT p99 (s) | queue p99 (s) | "
             "SSD prefetch p99 (s) | DRAM-lane wait p99 (s) | declined tok | revoked tok | tok/s | verify failures |")
     rows = [f"Trace `{result['trace']}`, {result['requests']} requests.", "", head, "|" + "---|" * 13]
+    def f(v, spec=".3f"):
+        return "–" if v is None else format(v, spec)
+
     for r in result["runs"]:
-        rows.append(f"| {r['qps']:g} | {r['scheduler']} | {r['system']} | {r['delivered_hit_rate']:.2%} | "
-                    f"{r['ttft_s']['mean']:.3f} | {r['ttft_s']['p99']:.3f} | {r['queue_s']['p99']:.3f} | "
-                    f"{r['ssd_prefetch_s']['p99']:.3f} | {r['dram_lane_wait_p99_s']:.3f} | "
+        rows.append(f"| {r['qps']:g} | {r['scheduler']} | {r['system']} | {f(r['delivered_hit_rate'], '.2%')} | "
+                    f"{f(r['ttft_s']['mean'])} | {f(r['ttft_s']['p99'])} | {f(r['queue_s']['p99'])} | "
+                    f"{f(r['ssd_prefetch_s']['p99'])} | {f(r['dram_lane_wait_p99_s'])} | "
                     f"{r['declined_prefetch_tokens']:,} | {r['revoked_prefetch_tokens']:,} | "
-                    f"{r['tokens_per_s']:,.0f} | {r['verify_failures']} |")
+                    f"{f(r['tokens_per_s'], ',.0f')} | {r['verify_failures']} |")
     return "\n".join(rows) + "\n"
 
 

@@ -2,6 +2,7 @@
 really run on their threads, every page read is verified, and the counts are exact."""
 
 import json
+import time
 
 import pytest
 
@@ -21,19 +22,23 @@ def req(at, blocks, tail=32, ns="weka:t"):
     return TraceRequest(at, ns, ns, tuple(blocks), 64, len(blocks) * 64 + tail, 4)
 
 
-def warm_then_serve(tmp_path, profile, warm, measured, scheduler="mas", host_pool_pages=512, asks=()):
+def warm_then_serve(tmp_path, profile, warm, measured, scheduler="mas", host_pool_pages=512, asks=(), slow_get_s=0.0,
+                    **engine):
     """Hit-query ``asks``, write ``warm`` one request at a time, then serve ``measured``
     concurrently; returns ``(lives, summary, counter deltas)``."""
     keyer = PageKeyer(profile.page_size)
     system = make_system("flatcake", profile, host_pool_pages, tmp_path, FC)
     try:
-        ecfg = EngineConfig(hbm_pages=0, host_pool_pages=host_pool_pages, prefetch_threshold_tokens=0)
+        ecfg = EngineConfig(hbm_pages=0, host_pool_pages=host_pool_pages, prefetch_threshold_tokens=0, **engine)
         eng = Engine(system, profile, ecfg)
         for r in asks:
             system.exists(keyer.keys(r), [])
         for r in warm:
             eng.run(keyer.keys(r), r.prompt_tokens)
         before = system.counters()
+        if slow_get_s:
+            real_get = system.get
+            system.get = lambda *a: (time.sleep(slow_get_s), real_get(*a))[1]
         model = ServingModel(system, profile, ecfg, ServingConfig(qps=100.0, scheduler=scheduler))
         lives = model.run(measured, [keyer.keys(r) for r in measured])
         after = system.counters()
@@ -82,6 +87,18 @@ def test_every_page_delivered_under_load_is_verified_and_counted_by_medium(tmp_p
     assert {r.lane for r in lives if r.ssd_pages} == ({"fifo"} if scheduler == "fcfs" else {"ssd"})
 
 
+def test_a_timeout_admits_with_what_was_read_and_never_counts_a_page_twice(tmp_path, tiny_profile):
+    history = list(range(200))  # two 128-page read calls
+    lives, s, d = warm_then_serve(tmp_path, tiny_profile, [req(0.0, history)], [req(0.0, history + [1])],
+                                  slow_get_s=0.3, prefetch_policy="timeout", prefetch_timeout_base_s=0.05,
+                                  prefetch_timeout_per_ki_token_s=0.0)
+    r = lives[0]
+    assert (r.hit, r.delivered, r.revoked_tokens) == (200, 0, 200 * 64)  # admitted before any call returned
+    assert r.read_pages == 128  # the call in flight finished; the next one never started
+    assert s["hit_tokens"]["ssd"] == 0 and s["revoked_prefetch_tokens"] == 200 * 64 and s["verify_failures"] == 0
+    assert r.written_pages == 201  # every page after the HBM hit recomputed and backed up (200 known + 1 new)
+
+
 def test_cli_qps_sweep_writes_one_row_per_rate_scheduler_and_system(tmp_path, mooncake_path):
     out = tmp_path / "out"
     rc = main(["--trace", str(mooncake_path), "--systems", "flatcake,file", "--out", str(out),
@@ -95,8 +112,10 @@ def test_cli_qps_sweep_writes_one_row_per_rate_scheduler_and_system(tmp_path, mo
     assert not (out / "flatcake-ssd").exists() and not (out / "hicache-file").exists()
 
 
-@pytest.mark.parametrize("flags,msg", [(["--qps", "0"], "--qps"), (["--qps", "x"], "--qps"),
-                                       (["--qps", "1", "--scheduler", "lifo"], "--scheduler")])
+@pytest.mark.parametrize("flags,msg", [(["--qps", "0"], "--qps"), (["--qps", "x"], "--qps"), (["--qps", "1,,4"], "--qps"),
+                                       (["--qps", "1", "--scheduler", "lifo"], "--scheduler"),
+                                       (["--scheduler", "lifo"], "--scheduler"), (["--scheduler", "fcfs"], "add --qps"),
+                                       (["--qps", "1", "--ssd-restores", "0"], "--ssd-restores")])
 def test_bad_serving_flags_exit_2_naming_the_flag(tmp_path, mooncake_path, capsys, flags, msg):
     assert main(["--trace", str(mooncake_path), "--out", str(tmp_path / "o"), *flags]) == 2
     assert msg in capsys.readouterr().err
