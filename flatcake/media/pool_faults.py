@@ -90,17 +90,17 @@ class PoolFileFaults:
             if now - self._out_of_service_at.get(i, now) < OUT_OF_SERVICE_RETRY_S:
                 continue
             self._out_of_service_at[i] = now
-            if not os.path.exists(self.path_of(i)):  # never created (or removed): created on demand
-                self.out_of_service.discard(i)
-                self._generation[i] = self.generation_of(i) + 1
-                continue
+            exists = os.path.exists(self.path_of(i))  # if not (never created, or removed): created on demand
             try:
-                pool_dir.rewrite_first_block(self.path_of(i), self.file_bytes)
+                if exists:
+                    pool_dir.rewrite_first_block(self.path_of(i), self.file_bytes)
             except OSError as e:
                 self.errors("pool file retry", e)
                 continue
             self.out_of_service.discard(i)
             self._generation[i] = self.generation_of(i) + 1
+            if not exists:
+                continue
             try:
                 self._open_file(i, create=False)
             except SsdStartupError as e:

@@ -59,10 +59,6 @@ REFUSED_ERRNOS = frozenset({errno.EIO, errno.EROFS, errno.EPERM, errno.EACCES})
 #: seconds between two checks of whether a full filesystem has room for a new pool file again
 CREATE_RETRY_CHECK_S = 1.0
 
-#: tries, 50 ms apart, to take the pool's writer lock (another server on the same ``ssd.path``
-#: may be probing it for an instant)
-LOCK_ATTEMPTS = pool_dir.LOCK_ATTEMPTS
-
 
 @dataclass(frozen=True, slots=True)
 class Extent:
@@ -149,7 +145,7 @@ class SsdFilePool(PoolFileFaults):
 
     def _take_writer_lock(self) -> None:
         """One writer per pool (:func:`flatcake.media.pool_dir.take_writer_lock`)."""
-        self._lock_fd = pool_dir.take_writer_lock(self.cfg.path, self.prefix, LOCK_ATTEMPTS)
+        self._lock_fd = pool_dir.take_writer_lock(self.cfg.path, self.prefix)
 
     def _open_existing(self) -> None:
         """Open this pool's files left by an earlier run (all of their space free until the

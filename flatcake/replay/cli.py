@@ -290,7 +290,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--qps", help="serve under load at these arrival rates (req/s, comma-separated): "
                    "the concurrent serving model, outputs serving.json/serving.md")
-    p.add_argument("--scheduler", default="mas", help="with --qps: prefetch I/O order, fcfs | mas | fcfs,mas (default mas)")
+    p.add_argument("--scheduler", help="with --qps: prefetch I/O order, fcfs | mas | fcfs,mas (default mas)")
     p.add_argument("--ssd-restores", type=int, help="with --qps: concurrent SSD restores in the mas lanes "
                    "(default: the config's cio.windows)")
     return p
@@ -308,12 +308,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"flatcake-replay: {e}", file=sys.stderr)
         return 2
     try:  # serving flags are checked even without --qps: a typo never passes silently
-        scheds = parse_schedulers(args.scheduler)
+        scheds = parse_schedulers("mas" if args.scheduler is None else args.scheduler)
         rates = parse_rates(args.qps) if args.qps is not None else None
         restores = cfg.cio.windows if args.ssd_restores is None else args.ssd_restores
         if restores < 1:
             raise ValueError(f"--ssd-restores: must be at least 1 (got {restores})")
-        if rates is None and (args.ssd_restores is not None or args.scheduler != "mas"):
+        if rates is None and (args.ssd_restores is not None or args.scheduler is not None):
             raise ValueError("--scheduler and --ssd-restores apply to the serving model: add --qps R")
     except ValueError as e:
         print(f"flatcake-replay: {e}", file=sys.stderr)

@@ -320,6 +320,13 @@ class EngineConfig:
     prefetch_timeout_base_s: float = 1.0
     prefetch_timeout_per_ki_token_s: float = 0.25
 
+    def prefetch_timeout_s(self, tokens: int) -> Optional[float]:
+        """Seconds a prefetch of ``tokens`` may take under ``prefetch_policy: timeout``
+        (SGLang's ``base + tokens / 1024 × per_ki_token``); ``None`` under ``wait_complete``."""
+        if self.prefetch_policy != "timeout":
+            return None
+        return self.prefetch_timeout_base_s + tokens / 1024 * self.prefetch_timeout_per_ki_token_s
+
 
 class Engine:
     """One system's engine: HBM cache + host pool + an L3 :class:`~flatcake.replay.systems.L3System`.
@@ -359,10 +366,7 @@ class Engine:
             hit = max(0, min(int(hit), len(rest)))
             out.l3_query_pages = hit
             if hit and hit * P >= thr:
-                deadline = None
-                if self.cfg.prefetch_policy == "timeout":
-                    deadline = (self.cfg.prefetch_timeout_base_s
-                                + hit * P / 1024 * self.cfg.prefetch_timeout_per_ki_token_s)
+                deadline = self.cfg.prefetch_timeout_s(hit * P)
                 for b in range(0, hit, STORAGE_BATCH_PAGES):
                     if deadline is not None and out.read_s > deadline:
                         break

@@ -115,6 +115,13 @@ class Live:
     def ttft_s(self) -> float:
         return self.t_first - self.arrival
 
+    def deliver(self, pages: int, media: tuple) -> None:
+        """The first ``pages`` of the hit reached the host pool in time: count them, split by
+        medium from ``media`` (per key, as ``medium_summary`` gave it)."""
+        self.delivered = pages
+        self.dram_pages = media[:pages].count("dram")
+        self.ssd_pages = pages - self.dram_pages
+
     @property
     def fetch_keys(self) -> Sequence[str]:
         return self.keys[self.hbm_pages:]
@@ -154,9 +161,7 @@ class ServingModel:
         self._query_q: "queue.SimpleQueue[Optional[Live]]" = queue.SimpleQueue()
         self._verify_q: "queue.SimpleQueue[Optional[Live]]" = queue.SimpleQueue()
         self._backup_q: "queue.SimpleQueue[Optional[Live]]" = queue.SimpleQueue()
-        self._arrived_all = False
         self.backup_skipped_pages = 0
-        self.steps = 0
 
     # ------------------------------------------------------------------ cost model
     def step_s(self, prefill: Sequence[tuple[int, int]], decode_ctx: Sequence[int], load_bytes: int) -> float:
@@ -203,9 +208,9 @@ class ServingModel:
             r.hit = max(0, min(int(hit), len(rest))) if hit * P >= thr else 0
         if not r.hit:
             return self._set_ready(r)
-        if self.engine.prefetch_policy == "timeout":
-            r.deadline = r.arrival + self.engine.prefetch_timeout_base_s + \
-                r.hit * P / 1024 * self.engine.prefetch_timeout_per_ki_token_s
+        timeout = self.engine.prefetch_timeout_s(r.hit * P)
+        if timeout is not None:
+            r.deadline = r.arrival + timeout
         lead = self._inflight.get(rest[0])
         if lead is not None and lead.hit >= r.hit and list(lead.fetch_keys[: r.hit]) == rest[: r.hit]:
             with self._cv:  # the same prefix is being read for another request: read it once
@@ -242,18 +247,14 @@ class ServingModel:
 
     def _read_done(self, r: Live, op: LaneOp) -> None:
         r.lane, r.lane_wait_s = op.lane, op.started_s - op.submitted_s
-        self._inflight.pop(r.fetch_keys[0], None)
-        with self._cv:  # a request admitted on its deadline keeps what it had then
-            if not r.cancelled:
-                r.delivered = r.read_pages
-                r.dram_pages = r.media[: r.delivered].count("dram")
-                r.ssd_pages = r.delivered - r.dram_pages
+        if self._inflight.get(r.fetch_keys[0]) is r:  # (a later, longer read may have taken the key)
+            del self._inflight[r.fetch_keys[0]]
         with self._cv:
+            if not r.cancelled:  # a request admitted on its deadline keeps what it had then
+                r.deliver(r.read_pages, r.media)
             followers, r.followers, r.read_finished = r.followers, [], True
         for f in followers:
-            f.delivered = min(f.hit, r.read_pages)  # admitted after the whole read: all of it counts
-            f.dram_pages = r.media[: f.delivered].count("dram")
-            f.ssd_pages = f.delivered - f.dram_pages
+            f.deliver(min(f.hit, r.read_pages), r.media)  # admitted after the whole read: all of it counts
             self._set_ready(f)
         self._verify_q.put(r)
         if not r.cancelled:
@@ -300,10 +301,8 @@ class ServingModel:
                 if now < r.deadline or r.leader is not None:
                     continue  # SGLang skips a request whose prefetch is not done
                 r.cancelled = True  # timeout: admitted with what was read so far
-                r.delivered = r.read_pages
+                r.deliver(r.read_pages, r.media)
                 r.revoked_tokens = (r.hit - r.delivered) * self.profile.page_size
-                r.dram_pages = r.media[: r.delivered].count("dram")
-                r.ssd_pages = r.delivered - r.dram_pages
                 r.t_ready = now
             self._waiting.remove(r)
             r.t_admit = now
@@ -340,7 +339,6 @@ class ServingModel:
             t_end = time.monotonic() + self.step_s(prefill, decode_ctx, load)
             time.sleep(max(0.0, t_end - time.monotonic()))
             now = time.monotonic()
-            self.steps += 1
             for r in running:
                 if r.prefill_left == 0 and r not in finishing:
                     r.decode_left -= 1
