@@ -28,6 +28,8 @@ $(STAMP): pyproject.toml Makefile
 	# kvikio without cupy / the CUDA toolkit (host I/O needs neither)
 	$(PIP) install -q --no-deps kvikio-cu12 libkvikio-cu12 nvidia-cufile-cu12 rapids-logger cuda-pathfinder
 	$(PIP) install -q --no-deps -e .
+	# the sglang-controller extra (SGLang's controller imports), again without dependency trees
+	$(PIP) install -q --no-deps $$($(VPY) -c 'import tomllib; print(" ".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["sglang-controller"]))')
 	touch $(STAMP)
 
 demo: venv

@@ -164,6 +164,15 @@ class CioConfig(_Section):
         return v
 
 
+class MasConfig(_Section):
+    """Medium-aware scheduling of prefetch I/O (paper §3.2, FC-MAS). Used by the SGLang plugin
+    (:mod:`flatcake.adapter.plugin`) and as the replay's default ``--scheduler``; the number of
+    concurrent SSD restores is ``cio.windows``."""
+
+    scheduler: Literal["mas", "fcfs"] = Field(
+        "mas", description="mas = DRAM lane + HRRN SSD lane; fcfs = SGLang's single FIFO I/O thread")
+
+
 class FlatCakeConfig(_Section):
     """All FlatCake backend settings. Unknown keys are errors (``extra='forbid'``)."""
 
@@ -172,6 +181,7 @@ class FlatCakeConfig(_Section):
     ssd: SsdConfig = SsdConfig()
     placement: PlacementConfig = PlacementConfig()
     cio: CioConfig = CioConfig()
+    mas: MasConfig = MasConfig()
     # Sections used only by scripts (replay, benchmarks); the backend ignores them.
     model: Optional[dict[str, Any]] = None
     replay: Optional[dict[str, Any]] = None

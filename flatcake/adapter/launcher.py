@@ -16,6 +16,19 @@ Accepted (in any position, each as ``--flag value`` or ``--flag=value``)::
     --flatcake-config FILE.yaml                  # launcher-only; becomes "flatcake_config": /abs/path
     --hicache-storage-backend-extra-config JSON  # inline JSON, or @file (.json, .yaml/.yml, .toml)
     --dry-run                                    # launcher-only; print argv' as a JSON array, exit 0
+    --no-buffer-only                             # launcher-only; keep SGLang's host memory mode
+    --no-flatcake-plugin                         # launcher-only; FLATCAKE_PLUGIN=off for SGLang
+
+Serving defaults with the flatcake backend (both can be turned off):
+
+* ``--hicache-host-memory-mode buffer_only`` is appended unless the command line sets a host
+  memory mode itself, asks for ``--no-buffer-only``, or is a PD decode instance
+  (``--disaggregation-mode decode``, which SGLang refuses in buffer_only). In buffer_only the host
+  pool is a bounce buffer and FlatCake's DRAM medium is the DRAM tier: the paper's flat design.
+* The FC-MAS plugin (:mod:`flatcake.adapter.plugin`) is enabled for the server's processes:
+  ``FLATCAKE_PLUGIN=on``, and ``flatcake`` added to ``SGLANG_PLUGINS`` when that whitelist is set
+  without it. ``--no-flatcake-plugin`` sets ``FLATCAKE_PLUGIN=off`` instead. A warning is printed
+  when the plugin's entry point is not installed (FlatCake not pip-installed).
 
 The rewritten extra config is the user's mapping plus the keys in :data:`FLATCAKE_EXTRA`
 (``backend_name``, ``module_path``, ``class_name``, ``interface_v1`` and
@@ -45,6 +58,11 @@ BACKEND_FLAG = "--hicache-storage-backend"
 EXTRA_FLAG = "--hicache-storage-backend-extra-config"
 CONFIG_FLAG = "--flatcake-config"
 DRY_RUN_FLAG = "--dry-run"
+NO_BUFFER_ONLY_FLAG = "--no-buffer-only"
+NO_PLUGIN_FLAG = "--no-flatcake-plugin"
+HOST_MODE_FLAG = "--hicache-host-memory-mode"
+PD_MODE_FLAG = "--disaggregation-mode"
+PLUGIN_NAME = "flatcake"
 FLATCAKE_BACKEND = "flatcake"
 
 _PROG = "flatcake-sglang"
@@ -224,6 +242,74 @@ def validate_flatcake_extra(extra: dict[str, Any]) -> None:
         raise LaunchError(str(e)) from None
 
 
+def flag_value(argv: Sequence[str], flag: str) -> Optional[str]:
+    """The last value given to ``flag`` before a bare ``--`` (as argparse takes it), or None
+    (also for a dangling flag without value, which SGLang's parser reports)."""
+    argv = list(argv)
+    value, i = None, 0
+    while i < len(argv) and argv[i] != "--":
+        if argv[i] == flag and i + 1 >= len(argv):
+            break
+        got = _take_flag(argv, i, flag)
+        if got is None:
+            i += 1
+        else:
+            value, i = got
+    return value
+
+
+def with_buffer_only(argv: Sequence[str]) -> tuple[list[str], str]:
+    """Append ``--hicache-host-memory-mode buffer_only`` where FlatCake's default applies.
+
+    Returns:
+        (argv', note): argv unchanged when the command line sets a host memory mode itself or is
+        a PD decode instance; ``note`` says which, for the launcher's stderr line.
+    """
+    argv = list(argv)
+    mode = flag_value(argv, HOST_MODE_FLAG)
+    if mode is not None:
+        return argv, f"{HOST_MODE_FLAG} {mode} (as given)"
+    if flag_value(argv, PD_MODE_FLAG) == "decode":
+        return argv, f"SGLang's default host memory mode (buffer_only is refused on {PD_MODE_FLAG} decode)"
+    cut = argv.index("--") if "--" in argv else len(argv)
+    return argv[:cut] + [HOST_MODE_FLAG, "buffer_only"] + argv[cut:], (
+        f"{HOST_MODE_FLAG} buffer_only (FlatCake's DRAM medium is the DRAM tier; {NO_BUFFER_ONLY_FLAG} keeps "
+        "SGLang's host cache)")
+
+
+def plugin_environment(environ: dict[str, str], enabled: bool) -> dict[str, str]:
+    """The environment variables to set so that SGLang's processes load (or skip) the FC-MAS
+    plugin: ``FLATCAKE_PLUGIN`` on/off, and ``SGLANG_PLUGINS`` extended with ``flatcake`` when it
+    is a whitelist without it."""
+    from flatcake.adapter.plugin import ENV_SWITCH
+
+    if not enabled:
+        return {ENV_SWITCH: "off"}
+    changes = {ENV_SWITCH: "on"}
+    allowed = [x.strip() for x in environ.get("SGLANG_PLUGINS", "").split(",") if x.strip()]
+    if allowed and PLUGIN_NAME not in allowed:
+        changes["SGLANG_PLUGINS"] = ",".join(allowed + [PLUGIN_NAME])
+    return changes
+
+
+def plugin_installed() -> bool:
+    """True when the ``flatcake`` entry point of ``sglang.srt.plugins`` is installed."""
+    from importlib.metadata import entry_points
+
+    return any(ep.name == PLUGIN_NAME for ep in entry_points(group="sglang.srt.plugins"))
+
+
+def _take_switches(head: list[str]) -> tuple[list[str], dict[str, bool]]:
+    """Remove the launcher-only switches from ``head``; refuse them with a value."""
+    switches = {}
+    for flag in (DRY_RUN_FLAG, NO_BUFFER_ONLY_FLAG, NO_PLUGIN_FLAG):
+        if any(a.startswith(flag + "=") for a in head):
+            raise LaunchError(f"{flag} takes no value")
+        switches[flag] = flag in head
+        head = [a for a in head if a != flag]
+    return head, switches
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Console-script entry point (``flatcake-sglang``).
 
@@ -235,26 +321,29 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         own ``SystemExit`` propagates unchanged.
     """
     args = list(sys.argv[1:] if argv is None else argv)
-    dry_run = False
-    if "--" in args:
-        cut = args.index("--")
-        head, tail = args[:cut], args[cut:]
-    else:
-        head, tail = args, []
-    if any(a.startswith(DRY_RUN_FLAG + "=") for a in head):
-        print(f"{_PROG}: error: {DRY_RUN_FLAG} takes no value", file=sys.stderr)
-        return 2
-    if DRY_RUN_FLAG in head:
-        dry_run = True
-        head = [a for a in head if a != DRY_RUN_FLAG]
+    cut = args.index("--") if "--" in args else len(args)
     try:
-        new_argv = rewrite_argv(head + tail)
+        head, switches = _take_switches(args[:cut])
+        new_argv = rewrite_argv(head + args[cut:])
+        env: dict[str, str] = {}
+        if flag_value(head, BACKEND_FLAG) == FLATCAKE_BACKEND:
+            if not switches[NO_BUFFER_ONLY_FLAG]:
+                new_argv, note = with_buffer_only(new_argv)
+                print(f"{_PROG}: {note}", file=sys.stderr)
+            env = plugin_environment(dict(os.environ), not switches[NO_PLUGIN_FLAG])
+            if not switches[NO_PLUGIN_FLAG] and not plugin_installed():
+                print(f"{_PROG}: warning: the flatcake plugin is not installed (pip install FlatCake); "
+                      "SGLang keeps its FIFO prefetch I/O", file=sys.stderr)
+            print(f"{_PROG}: environment " + " ".join(f"{k}={v}" for k, v in env.items()), file=sys.stderr)
+        elif switches[NO_BUFFER_ONLY_FLAG] or switches[NO_PLUGIN_FLAG]:
+            raise LaunchError(f"{NO_BUFFER_ONLY_FLAG} and {NO_PLUGIN_FLAG} need {BACKEND_FLAG} {FLATCAKE_BACKEND}")
     except LaunchError as e:
         print(f"{_PROG}: error: {e}", file=sys.stderr)
         return 2
-    if dry_run:
+    if switches[DRY_RUN_FLAG]:
         print(json.dumps(new_argv))
         return 0
+    os.environ.update(env)
     sys.argv = ["sglang.launch_server", *new_argv]
     runpy.run_module("sglang.launch_server", run_name="__main__", alter_sys=True)
     return 0

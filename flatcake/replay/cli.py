@@ -37,7 +37,7 @@ from flatcake.replay.engine import Engine, EngineConfig, ModelProfile, RequestOu
 from flatcake.replay.keys import PageKeyer
 from flatcake.replay.report import markdown, plot_ttft_cdf, system_summary
 from flatcake.replay.sweep import parse_rates, parse_schedulers, run_sweep, serving_markdown
-from flatcake.replay.systems import SYSTEMS, make_system
+from flatcake.replay.systems import STORAGE_DIRS, SYSTEMS, make_system
 from flatcake.replay.traces import (DEFAULT_SESSION_GAP_S, TraceFormatError, detect_format, ideal_hit_rate,
                                     load_trace)
 
@@ -186,7 +186,10 @@ def _close_systems(systems: dict, out: Path, keep_data: bool) -> tuple[dict, dic
         except Exception:
             counters[n] = {}
         s.close()
-        root = out / ("hicache-file" if n == "file" else "flatcake-ssd")
+        if n not in STORAGE_DIRS:
+            disk[n] = 0
+            continue
+        root = out / STORAGE_DIRS[n]
         disk[n] = _disk_bytes(root)
         if not keep_data:
             shutil.rmtree(root, ignore_errors=True)
@@ -290,7 +293,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--qps", help="serve under load at these arrival rates (req/s, comma-separated): "
                    "the concurrent serving model, outputs serving.json/serving.md")
-    p.add_argument("--scheduler", help="with --qps: prefetch I/O order, fcfs | mas | fcfs,mas (default mas)")
+    p.add_argument("--scheduler", help="with --qps: prefetch I/O order, fcfs | mas | fcfs,mas (default: the config's mas.scheduler)")
     p.add_argument("--ssd-restores", type=int, help="with --qps: concurrent SSD restores in the mas lanes "
                    "(default: the config's cio.windows)")
     return p
@@ -308,7 +311,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"flatcake-replay: {e}", file=sys.stderr)
         return 2
     try:  # serving flags are checked even without --qps: a typo never passes silently
-        scheds = parse_schedulers("mas" if args.scheduler is None else args.scheduler)
+        scheds = parse_schedulers(cfg.mas.scheduler if args.scheduler is None else args.scheduler)
         rates = parse_rates(args.qps) if args.qps is not None else None
         restores = cfg.cio.windows if args.ssd_restores is None else args.ssd_restores
         if restores < 1:

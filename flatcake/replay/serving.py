@@ -98,6 +98,7 @@ class Live:
     t_ready: float = 0.0
     t_admit: float = 0.0
     t_first: float = 0.0
+    t_done: float = 0.0
     deadline: float = float("inf")
     host: Optional[torch.Tensor] = None
     media: tuple = ()
@@ -131,7 +132,8 @@ class ServingModel:
     """One system under one scheduler at one rate; :meth:`run` replays the requests.
 
     Args:
-        system: an :class:`~flatcake.replay.systems.L3System`, or ``None`` for no L3.
+        system: an :class:`~flatcake.replay.systems.L3System`; ``None`` or one whose ``has_l3``
+            is False (``recompute``) serves with no L3: no hit queries, reads or write-backs.
         profile: model profile (cost model, page geometry).
         engine: the engine knobs shared with the sequential replay (HBM and host-pool pages,
             prefetch threshold and policy).
@@ -145,8 +147,10 @@ class ServingModel:
     def __init__(self, system, profile: ModelProfile, engine: EngineConfig, cfg: ServingConfig, host_pool=None):
         if cfg.qps <= 0:
             raise ValueError(f"qps must be > 0 (got {cfg.qps})")
-        self.system, self.profile, self.engine, self.cfg = system, profile, engine, cfg
         pool = system.pool if system is not None else host_pool
+        if system is not None and not system.has_l3:
+            system = None
+        self.system, self.profile, self.engine, self.cfg = system, profile, engine, cfg
         self.pages = HostPages(pool)
         if self.pages.free_pages < 2 * STORAGE_BATCH_PAGES:
             raise ValueError(f"host_pool_pages must be >= {2 * STORAGE_BATCH_PAGES}")
@@ -349,6 +353,7 @@ class ServingModel:
                 if self.system is not None:
                     self._backup_q.put(r)
             for r in [r for r in running if r.prefill_left == 0 and r.decode_left <= 0]:
+                r.t_done = now
                 running.remove(r)
                 done += 1
 
@@ -387,10 +392,12 @@ class ServingModel:
         return lives
 
 
-def serving_summary(lives: Sequence[Live], page_size: int, makespan_s: float, backup_skipped_pages: int = 0) -> dict:
+def serving_summary(lives: Sequence[Live], page_size: int, wall_s: float, backup_skipped_pages: int = 0) -> dict:
     """Per system and rate: delivered hit rate, hits by medium, TTFT, queueing, SSD prefetch
     latency, DRAM-lane wait, declined and revoked prefetch tokens, throughput (seconds, tokens).
-    A statistic over no requests (no SSD restore, no DRAM-only prefetch) is ``None``."""
+    ``makespan_s`` is first arrival to last token; ``wall_s`` (given) also covers the write-backs
+    still draining after it, so ``tokens_per_s`` (over the makespan) does not charge a system
+    for writing in the background. A statistic over no requests is ``None``."""
 
     def stats(xs) -> dict:  # None when there is nothing to measure (not 0: no such requests)
         a = np.asarray(list(xs), dtype=np.float64)
@@ -405,6 +412,7 @@ def serving_summary(lives: Sequence[Live], page_size: int, makespan_s: float, ba
     ssd_lane = [r for r in lives if r.lane in ("ssd", "fifo") and r.ssd_pages]
     dram_only = [r for r in lives if r.lane in ("dram", "fifo") and r.hit and not r.media.count("ssd")]
     tokens = sum(r.prompt_tokens + r.decode_total for r in lives)
+    makespan_s = max(r.t_done for r in lives) - min(r.arrival for r in lives) if lives else 0.0
     return {
         "requests": len(lives),
         "delivered_hit_rate": (hbm + dram + ssd) / pages if pages else None,
@@ -424,6 +432,7 @@ def serving_summary(lives: Sequence[Live], page_size: int, makespan_s: float, ba
         "verify_failures": sum(r.verify_failures for r in lives),
         "tokens_per_s": tokens / makespan_s if makespan_s > 0 else None,
         "makespan_s": makespan_s,
+        "wall_s": wall_s,
     }
 
 

@@ -18,7 +18,7 @@ from typing import Any, Sequence
 from flatcake.replay.engine import EngineConfig, ModelProfile
 from flatcake.replay.keys import PageKeyer
 from flatcake.replay.serving import ServingConfig, ServingModel, serving_summary
-from flatcake.replay.systems import make_system
+from flatcake.replay.systems import STORAGE_DIRS, make_system
 from flatcake.replay.traces import load_trace
 
 SCHEDULERS = ("fcfs", "mas")
@@ -81,8 +81,8 @@ def run_sweep(fc_keys: dict, settings: dict[str, Any], profile: ModelProfile, ec
                     s["counters"] = system.counters()
                 finally:
                     system.close()
-                    if not settings["keep_data"]:
-                        shutil.rmtree(out / ("hicache-file" if name == "file" else "flatcake-ssd"), ignore_errors=True)
+                    if not settings["keep_data"] and name in STORAGE_DIRS:
+                        shutil.rmtree(out / STORAGE_DIRS[name], ignore_errors=True)
                 runs.append({"qps": qps, "scheduler": sched, "system": name, **s})
     result = {"trace": os.path.normpath(str(settings["trace"])), "requests": len(reqs), "runs": runs}
     (out / "serving.json").write_text(json.dumps(result, indent=2) + "\n")

@@ -125,6 +125,7 @@ class L3System:
     """
 
     name = "?"
+    has_l3 = True  # False: no L3 at all (the serving model then runs no storage threads)
 
     def __init__(self, profile: ModelProfile, pool, backend):
         self.profile = profile
@@ -356,7 +357,37 @@ class FlatCakeSystem(L3System):
         return self._snap()
 
 
-SYSTEMS = ("flatcake", "file")
+class RecomputeSystem(L3System):
+    """``recompute``: SGLang with no L3 (only its HBM prefix cache); every page beyond HBM is
+    recomputed. The serving model runs no hit queries, reads or write-backs for it
+    (``has_l3`` False); the one-request-at-a-time replay calls it like the others and gets 0
+    hits, and writes that store nothing and take no time."""
+
+    name = "recompute"
+    has_l3 = False
+
+    def __init__(self, profile: ModelProfile, pool):
+        super().__init__(profile, pool, None)
+
+    def exists(self, keys, prefix_keys):
+        self.last_call_s = 0.0
+        return 0
+
+    def get(self, keys, host_indices, prefix_keys):
+        self.last_call_s = 0.0
+        return 0, 0, 0
+
+    def set(self, keys, host_indices, prefix_keys):
+        self.last_call_s = 0.0
+        return True
+
+    def counters(self) -> dict[str, int]:
+        return dict.fromkeys(COUNTER_KEYS, 0)
+
+
+SYSTEMS = ("flatcake", "file", "recompute")
+#: Each system's storage directory under the run's output directory (``recompute``: none).
+STORAGE_DIRS = {"flatcake": "flatcake-ssd", "file": "hicache-file"}
 
 
 def make_system(name: str, profile: ModelProfile, host_pool_pages: int, out_dir: Path,
@@ -365,12 +396,14 @@ def make_system(name: str, profile: ModelProfile, host_pool_pages: int, out_dir:
     """Create system ``name`` with a fresh host pool and an empty storage directory under
     ``out_dir`` (``hicache-file/`` or ``flatcake-ssd/``; an old one is removed first)."""
     pool = profile.make_host_pool(host_pool_pages)
+    if name == "recompute":
+        return RecomputeSystem(profile, pool)
     if name == "file":
-        root = Path(out_dir) / "hicache-file"
+        root = Path(out_dir) / STORAGE_DIRS["file"]
         shutil.rmtree(root, ignore_errors=True)
         return FileSystem(profile, pool, root, file_extra, drop_page_cache)
     if name == "flatcake":
-        root = Path(out_dir) / "flatcake-ssd"
+        root = Path(out_dir) / STORAGE_DIRS["flatcake"]
         shutil.rmtree(root, ignore_errors=True)
         return FlatCakeSystem(profile, pool, root, flatcake_keys)
     raise ValueError(f"unknown system {name!r} (known: {', '.join(SYSTEMS)})")

@@ -251,10 +251,63 @@ def test_main_runs_sglang_launch_server_with_rewritten_argv(no_sglang, monkeypat
 
     monkeypatch.setattr(launcher.runpy, "run_module", fake_run_module)
     monkeypatch.setattr(sys, "argv", ["flatcake-sglang"])
+    monkeypatch.setenv("FLATCAKE_PLUGIN", "off")  # inherited; the launcher enables the plugin
     assert main(BASE + ["--hicache-storage-backend", "flatcake"]) == 0
     assert seen["name"] == "sglang.launch_server"
     assert seen["kwargs"]["run_name"] == "__main__"
-    assert seen["argv"][1:] == rewrite_argv(BASE + ["--hicache-storage-backend", "flatcake"])
+    assert seen["argv"][1:] == rewrite_argv(BASE + FC) + ["--hicache-host-memory-mode", "buffer_only"]
+    assert os.environ["FLATCAKE_PLUGIN"] == "on"
+
+
+# ---- serving defaults: buffer_only host memory and the FC-MAS plugin --------------------------
+
+
+@pytest.mark.parametrize("args, mode", [
+    ([], "buffer_only"),
+    (["--hicache-host-memory-mode", "cache"], "cache"),
+    (["--hicache-host-memory-mode=cache"], "cache"),
+    (["--no-buffer-only"], "cache"),  # SGLang's default
+    (["--disaggregation-mode", "decode"], "cache"),  # SGLang refuses buffer_only on decode
+    (["--disaggregation-mode", "prefill"], "buffer_only"),
+])
+def test_host_memory_mode_default_is_buffer_only(args, mode, sglang_parser, capsys):
+    assert main(["--dry-run", *BASE, *FC, *args]) == 0
+    out, err = capsys.readouterr()
+    ns = sglang_parser.parse_args(json.loads(out))
+    assert ns.hicache_host_memory_mode == mode
+    assert ("buffer_only (FlatCake's DRAM medium" in err) == (mode == "buffer_only")
+
+
+@pytest.mark.parametrize("given, expected", [
+    (None, None),
+    ("flatcake", None),
+    ("other_plugin", "other_plugin,flatcake"),
+    ("a, b", "a,b,flatcake"),
+])
+def test_plugin_is_enabled_and_added_to_an_sglang_plugins_whitelist(given, expected):
+    env = {} if given is None else {"SGLANG_PLUGINS": given}
+    changes = launcher.plugin_environment(env, enabled=True)
+    assert changes.get("FLATCAKE_PLUGIN") == "on"
+    assert changes.get("SGLANG_PLUGINS") == expected
+
+
+def test_no_flatcake_plugin_turns_it_off(monkeypatch, capsys):
+    assert launcher.plugin_environment({"SGLANG_PLUGINS": "x"}, enabled=False) == {"FLATCAKE_PLUGIN": "off"}
+    assert main(["--dry-run", "--no-flatcake-plugin", *BASE, *FC]) == 0
+    assert "environment FLATCAKE_PLUGIN=off" in capsys.readouterr().err
+
+
+def test_plugin_entry_point_is_installed():
+    if not (Path(sys.executable).parent / "flatcake-sglang").exists():
+        pytest.skip("FlatCake is not pip-installed in this environment")
+    assert launcher.plugin_installed()
+
+
+@pytest.mark.parametrize("flag", ["--no-buffer-only", "--no-flatcake-plugin"])
+def test_flatcake_switches_need_the_flatcake_backend(flag, capsys):
+    assert main(["--dry-run", flag, *BASE, "--hicache-storage-backend", "file"]) == 2
+    assert "need --hicache-storage-backend flatcake" in capsys.readouterr().err
+    assert main(["--dry-run", f"{flag}=1", *BASE, *FC]) == 2
 
 
 def test_main_reads_sys_argv_by_default(monkeypatch, capsys):

@@ -1,0 +1,1 @@
+from torchvision._names import InterpolationMode, __getattr__  # noqa: F401
