@@ -33,6 +33,7 @@ from typing import Any, Optional, Sequence
 from tqdm import tqdm
 
 from flatcake.config import ConfigError, FlatCakeConfig, load_config, read_yaml
+from flatcake.replay.budget import DiskBudgetError, check_disk_budget
 from flatcake.replay.engine import Engine, EngineConfig, ModelProfile, RequestOutcome
 from flatcake.replay.keys import PageKeyer
 from flatcake.replay.report import markdown, plot_ttft_cdf, system_summary
@@ -59,7 +60,8 @@ HARNESS_DEFAULTS: dict[str, Any] = {
     "max_context_tokens": None,  # WEKA: skip conversations with a larger prompt
     "drop_page_cache": True,
     "keep_data": False,
-    "file_extra": {},
+    "file_extra": {},  # HiCacheFile's extra config; max_size defaults to FlatCake's SSD capacity
+    "disk_budget": True,  # refuse a run that would not fit on the output's file system
     "plot": True,  # write ttft_cdf.png (matplotlib)
 }
 
@@ -123,6 +125,8 @@ def replay_settings(cfg: FlatCakeConfig, args: argparse.Namespace, config_dir: P
             s[flag] = v
     if args.keep_data:
         s["keep_data"] = True
+    if args.ignore_disk_budget:
+        s["disk_budget"] = False
     for key in ("max_requests", "sessions"):
         if s.get(key) is not None and s[key] < 1:
             raise ConfigError(f"replay.{key}: must be at least 1 (got {s[key]})")
@@ -224,7 +228,6 @@ def run_replay(cfg: FlatCakeConfig, settings: dict[str, Any], profile: ModelProf
     reqs = load_trace(trace, max_requests=settings["max_requests"], sessions=settings["sessions"],
                       session_gap_s=settings["session_gap_s"], skip_sessions=settings["skip_sessions"],
                       max_context_tokens=settings["max_context_tokens"])
-    out.mkdir(parents=True, exist_ok=True)  # only once the trace has been read
     keyer = PageKeyer(profile.page_size)
     keys = [keyer.keys(r) for r in reqs]
     hits, total = ideal_hit_rate(keys)
@@ -234,6 +237,9 @@ def run_replay(cfg: FlatCakeConfig, settings: dict[str, Any], profile: ModelProf
     ecfg = EngineConfig(**{f.name: settings[f.name] for f in dataclasses.fields(EngineConfig)})
     fc_keys = _flatten(cfg.model_dump(exclude={"model", "replay"}))
     names = list(settings["systems"])
+    if settings["disk_budget"]:  # all systems hold their data at once
+        check_disk_budget(names, unique * profile.page_bytes, fc_keys, settings["file_extra"], out, together=True)
+    out.mkdir(parents=True, exist_ok=True)  # only once the trace has been read and the run fits
     systems = {
         n: make_system(n, profile, settings["host_pool_pages"], out, fc_keys, settings["file_extra"],
                        settings["drop_page_cache"])
@@ -290,6 +296,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sessions", type=int, help="WEKA: conversations to interleave")
     p.add_argument("--hbm-pages", type=int, help="HBM prefix-cache capacity in pages")
     p.add_argument("--keep-data", action="store_true", help="keep the storage directories")
+    p.add_argument("--ignore-disk-budget", action="store_true",
+                   help="run even when the systems' estimated disk footprint exceeds the free space")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--qps", help="serve under load at these arrival rates (req/s, comma-separated): "
                    "the concurrent serving model, outputs serving.json/serving.md")
@@ -328,6 +336,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         summary = run_replay(cfg, settings, profile, progress=not args.no_progress)
     except TraceFormatError as e:
         print(f"flatcake-replay: replay.trace: {e}", file=sys.stderr)
+        return 2
+    except DiskBudgetError as e:
+        print(f"flatcake-replay: {e}", file=sys.stderr)
         return 2
     print(markdown(summary))
     print(f"wrote {Path(settings['out']) / 'summary.json'} in {time.perf_counter() - t0:.1f} s")

@@ -18,6 +18,7 @@ from typing import Any, Sequence
 from flatcake.replay.engine import EngineConfig, ModelProfile
 from flatcake.replay.keys import PageKeyer
 from flatcake.replay.serving import ServingConfig, ServingModel, serving_summary
+from flatcake.replay.budget import check_disk_budget
 from flatcake.replay.systems import STORAGE_DIRS, make_system
 from flatcake.replay.traces import load_trace
 
@@ -58,14 +59,22 @@ def run_sweep(fc_keys: dict, settings: dict[str, Any], profile: ModelProfile, ec
 
     Returns:
         ``{"trace", "requests", "runs": [...]}`` (also written to ``<out>/serving.json``).
+
+    Raises:
+        flatcake.replay.budget.DiskBudgetError: the largest system's footprint would not fit
+            (checked unless ``settings["disk_budget"]`` is False).
     """
     out = Path(settings["out"])
     reqs = load_trace(Path(settings["trace"]), max_requests=settings["max_requests"], sessions=settings["sessions"],
                       session_gap_s=settings["session_gap_s"], skip_sessions=settings["skip_sessions"],
                       max_context_tokens=settings["max_context_tokens"])
-    out.mkdir(parents=True, exist_ok=True)
     keyer = PageKeyer(profile.page_size)
     keys = [keyer.keys(r) for r in reqs]
+    if settings["disk_budget"]:  # one system at a time, each on a fresh store
+        unique = len({k for ks in keys for k in ks})
+        check_disk_budget(settings["systems"], unique * profile.page_bytes, fc_keys, settings["file_extra"], out,
+                          together=False)
+    out.mkdir(parents=True, exist_ok=True)
     runs = []
     for qps in rates:
         for sched in schedulers:

@@ -46,6 +46,7 @@ import torch
 
 from flatcake.config import FLATCAKE_EXTRA
 from flatcake.media.directio import drop_page_cache
+from flatcake.replay.budget import file_extra_at_equal_capacity
 from flatcake.replay.engine import ModelProfile
 
 log = logging.getLogger(__name__)
@@ -401,7 +402,8 @@ def make_system(name: str, profile: ModelProfile, host_pool_pages: int, out_dir:
     if name == "file":
         root = Path(out_dir) / STORAGE_DIRS["file"]
         shutil.rmtree(root, ignore_errors=True)
-        return FileSystem(profile, pool, root, file_extra, drop_page_cache)
+        extra = file_extra_at_equal_capacity(flatcake_keys, file_extra or {})  # equal capacity
+        return FileSystem(profile, pool, root, extra, drop_page_cache)
     if name == "flatcake":
         root = Path(out_dir) / STORAGE_DIRS["flatcake"]
         shutil.rmtree(root, ignore_errors=True)

@@ -183,3 +183,49 @@ def test_unreadable_trace_exits_2(capsys, tmp_path):
     rc = main(["--trace", str(bad), "--out", str(tmp_path / "o"), "--no-progress", "--systems", "file"])
     assert rc == 2 and "replay.trace" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
+
+
+def test_file_is_capped_at_flatcakes_ssd_capacity_by_default():
+    from flatcake.replay.budget import file_extra_at_equal_capacity, footprint
+
+    fc = {"ssd.max_files": 8, "ssd.file_bytes": 4 << 20}
+    assert file_extra_at_equal_capacity(fc, {}) == {"max_size": 32 << 20}
+    assert file_extra_at_equal_capacity(fc, {"max_size": "1G"})["max_size"] == "1G"
+    assert footprint("file", 100 << 20, fc, {}) == 32 << 20
+    assert footprint("file", 100 << 20, fc, {"max_size": 0}) == 100 << 20  # 0 = unbounded
+    assert footprint("file", 100 << 20, fc, {"max_size": "1M"}) == 10**6  # SGLang's own size parser
+    assert footprint("file", 100 << 20, fc, {"max_size": "1Mi"}) == 1 << 20
+    assert footprint("flatcake", 5 << 20, fc, {}) == 8 << 20  # whole preallocated files
+    assert footprint("flatcake", 100 << 20, fc, {}) == 32 << 20
+    assert footprint("recompute", 100 << 20, fc, {}) == 0
+
+
+def test_a_capped_file_backend_evicts_and_stays_within_its_size(tmp_path, mooncake_path, tiny_profile):
+    cap = 10 * PAGE_BYTES
+    s = _run(tmp_path, mooncake_path, tiny_profile, ["file"], hbm_pages=0, file_extra={"max_size": cap})
+    r = s["systems"]["file"]
+    hit_pages = r["hit_tokens"]["ssd"] // PAGE
+    assert r["verify_failures"] == 0 and hit_pages < 48  # reuse was evicted (48 hits uncapped)
+    assert r["written_pages"] == 88 - hit_pages  # every page not delivered is recomputed and written
+    assert 0 < r["disk_bytes_at_end"] <= cap
+
+
+def test_a_run_that_would_not_fit_is_refused_before_writing(tmp_path, mooncake_path, tiny_profile, monkeypatch, capsys):
+    import shutil as _shutil
+    from collections import namedtuple
+
+    from flatcake.replay import budget
+
+    cfg_path = tmp_path / "fc.yaml"
+    cfg_path.write_text(yaml.safe_dump({**{"model": tiny_profile.__dict__}, "ssd": {"file_bytes": 4 << 20, "max_files": 8}}))
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(budget.shutil, "disk_usage", lambda p: usage(2 << 30, 0, (1 << 30) + (100 << 10)))
+    out = tmp_path / "out"
+    args = ["--trace", str(mooncake_path), "--config", str(cfg_path), "--out", str(out), "--no-progress"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "disk budget" in err and "flatcake up to 0.0 GB" in err and "--ignore-disk-budget" in err
+    assert "1.1 GB are free" in err and not out.exists()
+    assert main(args + ["--qps", "10"]) == 2 and "one system at a time" in capsys.readouterr().err
+    monkeypatch.setattr(budget.shutil, "disk_usage", _shutil.disk_usage)
+    assert main(args + ["--ignore-disk-budget"]) == 0

@@ -1,0 +1,112 @@
+"""Disk budget of a replay: what each system can put on the output's file system, checked
+against its free space before anything is written.
+
+Every replayed page is written for real, by each system, so an unbounded run can fill the disk
+(a 300-request Mooncake replay once had to be killed for it). Before writing, the replay
+estimates each system's on-disk footprint — at most every unique page of the replayed requests
+(``unique_pages * page_bytes``), and at most the system's capacity:
+
+* ``flatcake``: its SSD pool, ``ssd.max_files * ssd.file_bytes`` (files are preallocated whole,
+  so the unique bytes are rounded up to whole files);
+* ``file``: HiCacheFile's ``max_size``: FlatCake's SSD capacity unless ``file_extra`` gives one
+  (:func:`file_extra_at_equal_capacity`; ``0`` = unbounded);
+* ``recompute``: nothing.
+
+Systems that are alive together (the one-request-at-a-time replay) add up; the ``--qps`` sweep
+runs one system at a time, so its largest counts. The run is refused when the total exceeds the
+free space minus :func:`margin_bytes`.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any, Mapping, Optional, Sequence
+
+
+class DiskBudgetError(ValueError):
+    """The replay would not fit; the message names the estimate, the free space and the flag."""
+
+
+OVERRIDE_FLAG = "--ignore-disk-budget"
+
+
+def margin_bytes(free: int) -> int:
+    """Space always left free: 5% of what is free, at least 1 GiB."""
+    return max(1 << 30, free // 20)
+
+
+def ssd_capacity(fc_keys: Mapping[str, Any]) -> int:
+    """FlatCake's SSD pool bytes from its (flattened, dotted) configuration keys; a key not given
+    takes its default."""
+    from flatcake.config import SsdConfig
+
+    d = SsdConfig()
+    return int(fc_keys.get("ssd.max_files", d.max_files)) * int(fc_keys.get("ssd.file_bytes", d.file_bytes))
+
+
+def file_max_size(file_extra: Mapping[str, Any]) -> Optional[int]:
+    """HiCacheFile's ``max_size`` in bytes (an int, or a size string such as ``"2G"``), or None."""
+    value = file_extra.get("max_size")
+    if value in (None, "", 0, "0"):
+        return None
+    if isinstance(value, (int, float)):
+        return int(value)
+    from sglang.srt.utils.common import human_readable_int
+
+    return int(human_readable_int(str(value)))
+
+
+def file_extra_at_equal_capacity(fc_keys: Mapping[str, Any], file_extra: Mapping[str, Any]) -> dict[str, Any]:
+    """HiCacheFile's extra config with ``max_size`` = FlatCake's SSD capacity unless
+    ``file_extra`` sets one (``0`` = unbounded, HiCacheFile's own meaning)."""
+    return {"max_size": ssd_capacity(fc_keys), **dict(file_extra or {})}
+
+
+def footprint(name: str, unique_bytes: int, fc_keys: Mapping[str, Any], file_extra: Mapping[str, Any]) -> int:
+    """Upper bound of the bytes system ``name`` keeps on disk (see the module docstring)."""
+    if name == "flatcake":
+        fb = ssd_capacity({**fc_keys, "ssd.max_files": 1})
+        return min(-(-unique_bytes // fb) * fb, ssd_capacity(fc_keys))
+    if name == "file":
+        cap = file_max_size(file_extra_at_equal_capacity(fc_keys, file_extra))
+        return unique_bytes if cap is None else min(unique_bytes, cap)
+    return 0
+
+
+def check_disk_budget(names: Sequence[str], unique_bytes: int, fc_keys: Mapping[str, Any],
+                      file_extra: Mapping[str, Any], out: Path, together: bool) -> dict[str, int]:
+    """Refuse a run that would not fit on ``out``'s file system.
+
+    Args:
+        names: the systems to run.
+        unique_bytes: unique pages of the replayed requests × page bytes.
+        together: True when the systems hold their data at the same time (sum), False when they
+            run one after another (the largest counts).
+
+    Returns:
+        Each system's footprint estimate (bytes).
+
+    Raises:
+        DiskBudgetError: the estimate exceeds the free space minus the margin.
+    """
+    est = {n: footprint(n, unique_bytes, fc_keys, file_extra) for n in names}
+    need = sum(est.values()) if together else max(est.values(), default=0)
+    probe = Path(out)
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    free = shutil.disk_usage(probe).free
+    margin = margin_bytes(free)
+    if need > free - margin:
+        parts = ", ".join(f"{n} up to {b / 1e9:.1f} GB" for n, b in est.items() if b)
+        raise DiskBudgetError(
+            f"disk budget: this run would keep up to {need / 1e9:.1f} GB on the file system of {probe} "
+            f"({parts}{'' if together else '; one system at a time'}), but only {free / 1e9:.1f} GB are free "
+            f"and {margin / 1e9:.1f} GB are kept as margin. Replay fewer requests (--max-requests), lower "
+            f"ssd.max_files or file_extra.max_size, write elsewhere (--out), or pass {OVERRIDE_FLAG}.")
+    return est
+
+
+__all__ = ["DiskBudgetError", "OVERRIDE_FLAG", "check_disk_budget", "file_extra_at_equal_capacity",
+           "file_max_size", "footprint",
+           "margin_bytes", "ssd_capacity"]
