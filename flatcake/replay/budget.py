@@ -10,7 +10,7 @@ estimates each system's on-disk footprint — at most every unique page of the r
   so the unique bytes are rounded up to whole files);
 * ``file``: HiCacheFile's ``max_size``: FlatCake's SSD capacity unless ``file_extra`` gives one
   (:func:`file_extra_at_equal_capacity`; ``0`` = unbounded);
-* ``recompute``: nothing.
+* ``dram-only`` and ``recompute``: nothing.
 
 Systems that are alive together (the one-request-at-a-time replay) add up; the ``--qps`` sweep
 runs one system at a time, so its largest counts. The run is refused when the total exceeds the
@@ -43,6 +43,13 @@ def ssd_capacity(fc_keys: Mapping[str, Any]) -> int:
 
     d = SsdConfig()
     return int(fc_keys.get("ssd.max_files", d.max_files)) * int(fc_keys.get("ssd.file_bytes", d.file_bytes))
+
+
+def dram_capacity(fc_keys: Mapping[str, Any]) -> int:
+    """FlatCake's DRAM region bytes from its (flattened) configuration keys (default if absent)."""
+    from flatcake.config import DramConfig
+
+    return int(fc_keys.get("dram.capacity_bytes", DramConfig().capacity_bytes))
 
 
 def file_max_size(file_extra: Mapping[str, Any]) -> Optional[int]:
@@ -107,6 +114,6 @@ def check_disk_budget(names: Sequence[str], unique_bytes: int, fc_keys: Mapping[
     return est
 
 
-__all__ = ["DiskBudgetError", "OVERRIDE_FLAG", "check_disk_budget", "file_extra_at_equal_capacity",
+__all__ = ["DiskBudgetError", "OVERRIDE_FLAG", "check_disk_budget", "dram_capacity", "file_extra_at_equal_capacity",
            "file_max_size", "footprint",
            "margin_bytes", "ssd_capacity"]

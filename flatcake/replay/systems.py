@@ -46,7 +46,7 @@ import torch
 
 from flatcake.config import FLATCAKE_EXTRA
 from flatcake.media.directio import drop_page_cache
-from flatcake.replay.budget import file_extra_at_equal_capacity
+from flatcake.replay.budget import dram_capacity, file_extra_at_equal_capacity
 from flatcake.replay.engine import ModelProfile
 
 log = logging.getLogger(__name__)
@@ -358,35 +358,7 @@ class FlatCakeSystem(L3System):
         return self._snap()
 
 
-class RecomputeSystem(L3System):
-    """``recompute``: SGLang with no L3 (only its HBM prefix cache); every page beyond HBM is
-    recomputed. The serving model runs no hit queries, reads or write-backs for it
-    (``has_l3`` False); the one-request-at-a-time replay calls it like the others and gets 0
-    hits, and writes that store nothing and take no time."""
-
-    name = "recompute"
-    has_l3 = False
-
-    def __init__(self, profile: ModelProfile, pool):
-        super().__init__(profile, pool, None)
-
-    def exists(self, keys, prefix_keys):
-        self.last_call_s = 0.0
-        return 0
-
-    def get(self, keys, host_indices, prefix_keys):
-        self.last_call_s = 0.0
-        return 0, 0, 0
-
-    def set(self, keys, host_indices, prefix_keys):
-        self.last_call_s = 0.0
-        return True
-
-    def counters(self) -> dict[str, int]:
-        return dict.fromkeys(COUNTER_KEYS, 0)
-
-
-SYSTEMS = ("flatcake", "file", "recompute")
+SYSTEMS = ("flatcake", "file", "dram-only", "recompute")
 #: Each system's storage directory under the run's output directory (``recompute``: none).
 STORAGE_DIRS = {"flatcake": "flatcake-ssd", "file": "hicache-file"}
 
@@ -397,8 +369,12 @@ def make_system(name: str, profile: ModelProfile, host_pool_pages: int, out_dir:
     """Create system ``name`` with a fresh host pool and an empty storage directory under
     ``out_dir`` (``hicache-file/`` or ``flatcake-ssd/``; an old one is removed first)."""
     pool = profile.make_host_pool(host_pool_pages)
-    if name == "recompute":
-        return RecomputeSystem(profile, pool)
+    if name in ("dram-only", "recompute"):
+        from flatcake.replay.baselines import DramOnlySystem, RecomputeSystem
+
+        if name == "recompute":
+            return RecomputeSystem(profile, pool)
+        return DramOnlySystem(profile, pool, dram_capacity(flatcake_keys))
     if name == "file":
         root = Path(out_dir) / STORAGE_DIRS["file"]
         shutil.rmtree(root, ignore_errors=True)

@@ -23,7 +23,7 @@ def _run(tmp_path, trace, profile, systems, **replay):
     return run_replay(cfg, settings, profile, progress=False)
 
 
-@pytest.mark.parametrize("system", ["file", "flatcake"])
+@pytest.mark.parametrize("system", ["file", "flatcake", "dram-only"])
 def test_mooncake_without_hbm_every_reuse_comes_from_l3(tmp_path, mooncake_path, tiny_profile, system):
     s = _run(tmp_path, mooncake_path, tiny_profile, [system], hbm_pages=0)
     assert s["requests"] == 5 and s["prompt_pages"] == 88 and s["unique_pages"] == 40
@@ -229,3 +229,17 @@ def test_a_run_that_would_not_fit_is_refused_before_writing(tmp_path, mooncake_p
     assert main(args + ["--qps", "10"]) == 2 and "one system at a time" in capsys.readouterr().err
     monkeypatch.setattr(budget.shutil, "disk_usage", _shutil.disk_usage)
     assert main(args + ["--ignore-disk-budget"]) == 0
+
+
+def test_dram_only_at_a_small_capacity_evicts_lru_and_recompute_never_hits(tmp_path, mooncake_path, tiny_profile):
+    s = _run(tmp_path, mooncake_path, tiny_profile, ["dram-only", "recompute"], hbm_pages=0)
+    assert s["systems"]["recompute"]["delivered_hit_rate"] == 0 and s["systems"]["recompute"]["written_pages"] == 88
+    cfg_small = {**FC_OVERRIDES, "dram.capacity_bytes": 16 * PAGE_BYTES}
+    from flatcake.replay.cli import run_replay as rr
+
+    settings = {**REPLAY_DEFAULTS, "trace": mooncake_path, "systems": ["dram-only"], "out": tmp_path / "o2",
+                "prefetch_threshold_tokens": 0, "host_pool_pages": 256, "hbm_pages": 0}
+    small = rr(load_config(None, cfg_small), settings, tiny_profile, progress=False)["systems"]["dram-only"]
+    assert small["verify_failures"] == 0
+    assert 0 < small["hit_tokens"]["dram"] < 48 * PAGE and small["hit_tokens"]["ssd"] == 0
+    assert small["written_pages"] == 88 - small["hit_tokens"]["dram"] // PAGE
