@@ -6,7 +6,7 @@ Every replayed page is written for real, by each system, so an unbounded run can
 estimates each system's on-disk footprint — at most every unique page of the replayed requests
 (``unique_pages * page_bytes``), and at most the system's capacity:
 
-* ``flatcake``: its SSD pool, ``ssd.max_files * ssd.file_bytes`` (files are preallocated whole,
+* ``flatcake`` (and ``flatcake-fcfs``): its SSD pool, ``ssd.max_files * ssd.file_bytes`` (files are preallocated whole,
   so the unique bytes are rounded up to whole files);
 * ``file``: HiCacheFile's ``max_size``: FlatCake's SSD capacity unless ``file_extra`` gives one
   (:func:`file_extra_at_equal_capacity`; ``0`` = unbounded);
@@ -72,7 +72,7 @@ def file_extra_at_equal_capacity(fc_keys: Mapping[str, Any], file_extra: Mapping
 
 def footprint(name: str, unique_bytes: int, fc_keys: Mapping[str, Any], file_extra: Mapping[str, Any]) -> int:
     """Upper bound of the bytes system ``name`` keeps on disk (see the module docstring)."""
-    if name == "flatcake":
+    if name in ("flatcake", "flatcake-fcfs"):
         fb = ssd_capacity({**fc_keys, "ssd.max_files": 1})
         return min(-(-unique_bytes // fb) * fb, ssd_capacity(fc_keys))
     if name == "file":

@@ -38,7 +38,7 @@ from flatcake.replay.engine import Engine, EngineConfig, ModelProfile, RequestOu
 from flatcake.replay.keys import PageKeyer
 from flatcake.replay.report import markdown, plot_ttft_cdf, system_summary
 from flatcake.replay.sweep import parse_rates, parse_schedulers, run_sweep, serving_markdown
-from flatcake.replay.systems import STORAGE_DIRS, SYSTEMS, make_system
+from flatcake.replay.systems import FIXED_SCHEDULER, STORAGE_DIRS, SYSTEMS, make_system
 from flatcake.replay.traces import (DEFAULT_SESSION_GAP_S, TraceFormatError, detect_format, ideal_hit_rate,
                                     load_trace)
 
@@ -326,6 +326,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             raise ValueError(f"--ssd-restores: must be at least 1 (got {restores})")
         if rates is None and (args.ssd_restores is not None or args.scheduler is not None):
             raise ValueError("--scheduler and --ssd-restores apply to the serving model: add --qps R")
+        fixed = [n for n in settings["systems"] if n in FIXED_SCHEDULER]
+        if rates is None and fixed:
+            raise ValueError(f"{', '.join(fixed)} differs from flatcake only under load (its prefetch-I/O "
+                             "order): add --qps R")
     except ValueError as e:
         print(f"flatcake-replay: {e}", file=sys.stderr)
         return 2

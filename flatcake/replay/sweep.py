@@ -19,7 +19,7 @@ from flatcake.replay.engine import EngineConfig, ModelProfile
 from flatcake.replay.keys import PageKeyer
 from flatcake.replay.serving import ServingConfig, ServingModel, serving_summary
 from flatcake.replay.budget import check_disk_budget
-from flatcake.replay.systems import STORAGE_DIRS, make_system
+from flatcake.replay.systems import FIXED_SCHEDULER, STORAGE_DIRS, make_system
 from flatcake.replay.traces import load_trace
 
 SCHEDULERS = ("fcfs", "mas")
@@ -53,6 +53,13 @@ def parse_schedulers(text: str) -> list[str]:
     return names
 
 
+def sweep_pairs(schedulers: Sequence[str], systems: Sequence[str]) -> list[tuple[str, str]]:
+    """(scheduler, system) runs of one rate: every system under every scheduler, in that order,
+    except a system with a fixed scheduler (``flatcake-fcfs``), which runs once, under it."""
+    pairs = [(sched, name) for sched in schedulers for name in systems if name not in FIXED_SCHEDULER]
+    return pairs + [(FIXED_SCHEDULER[name], name) for name in systems if name in FIXED_SCHEDULER]
+
+
 def run_sweep(fc_keys: dict, settings: dict[str, Any], profile: ModelProfile, ecfg: EngineConfig,
               rates: Sequence[float], schedulers: Sequence[str], ssd_restores: int = 1) -> dict[str, Any]:
     """Serve the trace of ``settings`` at every rate under every scheduler on every system.
@@ -77,22 +84,21 @@ def run_sweep(fc_keys: dict, settings: dict[str, Any], profile: ModelProfile, ec
     out.mkdir(parents=True, exist_ok=True)
     runs = []
     for qps in rates:
-        for sched in schedulers:
-            for name in settings["systems"]:
-                system = make_system(name, profile, settings["host_pool_pages"], out, fc_keys,
-                                     settings["file_extra"], settings["drop_page_cache"])
-                try:
-                    model = ServingModel(system, profile, ecfg, ServingConfig(qps=qps, scheduler=sched,
-                                                                              ssd_restores=ssd_restores))
-                    t0 = time.monotonic()
-                    lives = model.run(reqs, keys)
-                    s = serving_summary(lives, profile.page_size, time.monotonic() - t0, model.backup_skipped_pages)
-                    s["counters"] = system.counters()
-                finally:
-                    system.close()
-                    if not settings["keep_data"] and name in STORAGE_DIRS:
-                        shutil.rmtree(out / STORAGE_DIRS[name], ignore_errors=True)
-                runs.append({"qps": qps, "scheduler": sched, "system": name, **s})
+        for sched, name in sweep_pairs(schedulers, settings["systems"]):
+            system = make_system(name, profile, settings["host_pool_pages"], out, fc_keys,
+                                 settings["file_extra"], settings["drop_page_cache"])
+            try:
+                model = ServingModel(system, profile, ecfg, ServingConfig(qps=qps, scheduler=sched,
+                                                                          ssd_restores=ssd_restores))
+                t0 = time.monotonic()
+                lives = model.run(reqs, keys)
+                s = serving_summary(lives, profile.page_size, time.monotonic() - t0, model.backup_skipped_pages)
+                s["counters"] = system.counters()
+            finally:
+                system.close()
+                if not settings["keep_data"] and name in STORAGE_DIRS:
+                    shutil.rmtree(out / STORAGE_DIRS[name], ignore_errors=True)
+            runs.append({"qps": qps, "scheduler": sched, "system": name, **s})
     result = {"trace": os.path.normpath(str(settings["trace"])), "requests": len(reqs), "runs": runs}
     (out / "serving.json").write_text(json.dumps(result, indent=2) + "\n")
     (out / "serving.md").write_text(serving_markdown(result))

@@ -358,16 +358,20 @@ class FlatCakeSystem(L3System):
         return self._snap()
 
 
-SYSTEMS = ("flatcake", "file", "dram-only", "recompute")
-#: Each system's storage directory under the run's output directory (``recompute``: none).
-STORAGE_DIRS = {"flatcake": "flatcake-ssd", "file": "hicache-file"}
+SYSTEMS = ("flatcake", "flatcake-fcfs", "file", "dram-only", "recompute")
+#: Each system's storage directory under the run's output directory (the others have none).
+STORAGE_DIRS = {"flatcake": "flatcake-ssd", "flatcake-fcfs": "flatcake-fcfs-ssd", "file": "hicache-file"}
+#: Systems that fix the prefetch-I/O order under load (``flatcake-fcfs``: FlatCake with FC-MAS
+#: off, SGLang's FIFO); they run only in the serving model (``--qps``).
+FIXED_SCHEDULER = {"flatcake-fcfs": "fcfs"}
 
 
 def make_system(name: str, profile: ModelProfile, host_pool_pages: int, out_dir: Path,
                 flatcake_keys: Mapping[str, Any], file_extra: Optional[Mapping[str, Any]] = None,
                 drop_page_cache: bool = True) -> L3System:
-    """Create system ``name`` with a fresh host pool and an empty storage directory under
-    ``out_dir`` (``hicache-file/`` or ``flatcake-ssd/``; an old one is removed first)."""
+    """Create system ``name`` with a fresh host pool and an empty storage directory
+    ``out_dir/STORAGE_DIRS[name]`` (an old one is removed first; ``dram-only`` and ``recompute``
+    have none)."""
     pool = profile.make_host_pool(host_pool_pages)
     if name in ("dram-only", "recompute"):
         from flatcake.replay.baselines import DramOnlySystem, RecomputeSystem
@@ -380,8 +384,10 @@ def make_system(name: str, profile: ModelProfile, host_pool_pages: int, out_dir:
         shutil.rmtree(root, ignore_errors=True)
         extra = file_extra_at_equal_capacity(flatcake_keys, file_extra or {})  # equal capacity
         return FileSystem(profile, pool, root, extra, drop_page_cache)
-    if name == "flatcake":
-        root = Path(out_dir) / STORAGE_DIRS["flatcake"]
+    if name in ("flatcake", "flatcake-fcfs"):
+        root = Path(out_dir) / STORAGE_DIRS[name]
         shutil.rmtree(root, ignore_errors=True)
-        return FlatCakeSystem(profile, pool, root, flatcake_keys)
+        system = FlatCakeSystem(profile, pool, root, flatcake_keys)
+        system.name = name
+        return system
     raise ValueError(f"unknown system {name!r} (known: {', '.join(SYSTEMS)})")

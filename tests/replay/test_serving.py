@@ -115,10 +115,24 @@ def test_cli_qps_sweep_writes_one_row_per_rate_scheduler_and_system(tmp_path, mo
 @pytest.mark.parametrize("flags,msg", [(["--qps", "0"], "--qps"), (["--qps", "x"], "--qps"), (["--qps", "1,,4"], "--qps"),
                                        (["--qps", "1", "--scheduler", "lifo"], "--scheduler"),
                                        (["--scheduler", "lifo"], "--scheduler"), (["--scheduler", "fcfs"], "add --qps"),
-                                       (["--qps", "1", "--ssd-restores", "0"], "--ssd-restores")])
+                                       (["--qps", "1", "--ssd-restores", "0"], "--ssd-restores"),
+                                       (["--systems", "flatcake,flatcake-fcfs"], "flatcake-fcfs differs from flatcake only under load")])
 def test_bad_serving_flags_exit_2_naming_the_flag(tmp_path, mooncake_path, capsys, flags, msg):
     assert main(["--trace", str(mooncake_path), "--out", str(tmp_path / "o"), *flags]) == 2
     assert msg in capsys.readouterr().err
+
+
+def test_flatcake_fcfs_runs_once_per_rate_under_fifo_beside_the_scheduler_sweep(tmp_path, mooncake_path):
+    out = tmp_path / "out"
+    rc = main(["--trace", str(mooncake_path), "--systems", "flatcake,flatcake-fcfs,dram-only", "--out", str(out),
+               "--qps", "20", "--scheduler", "fcfs,mas", "--no-progress"])
+    assert rc == 0
+    runs = json.loads((out / "serving.json").read_text())["runs"]
+    assert [(r["scheduler"], r["system"]) for r in runs] == [
+        ("fcfs", "flatcake"), ("fcfs", "dram-only"), ("mas", "flatcake"), ("mas", "dram-only"), ("fcfs", "flatcake-fcfs")]
+    by = {(r["scheduler"], r["system"]): r for r in runs}
+    assert by[("fcfs", "flatcake-fcfs")]["delivered_hit_rate"] == by[("mas", "flatcake")]["delivered_hit_rate"]
+    assert all(r["verify_failures"] == 0 for r in runs) and not any(out.glob("*-ssd"))
 
 
 def serve_no_reuse(tmp_path, profile, name, reqs, slow_set_s=0.0):
