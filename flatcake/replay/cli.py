@@ -61,6 +61,7 @@ HARNESS_DEFAULTS: dict[str, Any] = {
     "drop_page_cache": True,
     "keep_data": False,
     "file_extra": {},  # HiCacheFile's extra config; max_size defaults to FlatCake's SSD capacity
+    "tiered_extra": {},  # tiered baseline: bucket_bytes, staging_bytes (docs/baselines.md)
     "disk_budget": True,  # refuse a run that would not fit on the output's file system
     "plot": True,  # write ttft_cdf.png (matplotlib)
 }
@@ -242,7 +243,7 @@ def run_replay(cfg: FlatCakeConfig, settings: dict[str, Any], profile: ModelProf
     out.mkdir(parents=True, exist_ok=True)  # only once the trace has been read and the run fits
     systems = {
         n: make_system(n, profile, settings["host_pool_pages"], out, fc_keys, settings["file_extra"],
-                       settings["drop_page_cache"])
+                       settings["drop_page_cache"], settings["tiered_extra"])
         for n in names
     }
     try:

@@ -86,7 +86,7 @@ def run_sweep(fc_keys: dict, settings: dict[str, Any], profile: ModelProfile, ec
     for qps in rates:
         for sched, name in sweep_pairs(schedulers, settings["systems"]):
             system = make_system(name, profile, settings["host_pool_pages"], out, fc_keys,
-                                 settings["file_extra"], settings["drop_page_cache"])
+                                 settings["file_extra"], settings["drop_page_cache"], settings["tiered_extra"])
             try:
                 model = ServingModel(system, profile, ecfg, ServingConfig(qps=qps, scheduler=sched,
                                                                           ssd_restores=ssd_restores))

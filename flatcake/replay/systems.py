@@ -46,7 +46,7 @@ import torch
 
 from flatcake.config import FLATCAKE_EXTRA
 from flatcake.media.directio import drop_page_cache
-from flatcake.replay.budget import dram_capacity, file_extra_at_equal_capacity
+from flatcake.replay.budget import dram_capacity, file_extra_at_equal_capacity, ssd_capacity
 from flatcake.replay.engine import ModelProfile
 
 log = logging.getLogger(__name__)
@@ -358,9 +358,10 @@ class FlatCakeSystem(L3System):
         return self._snap()
 
 
-SYSTEMS = ("flatcake", "flatcake-fcfs", "file", "dram-only", "recompute")
+SYSTEMS = ("flatcake", "flatcake-fcfs", "tiered", "file", "dram-only", "recompute")
 #: Each system's storage directory under the run's output directory (the others have none).
-STORAGE_DIRS = {"flatcake": "flatcake-ssd", "flatcake-fcfs": "flatcake-fcfs-ssd", "file": "hicache-file"}
+STORAGE_DIRS = {"flatcake": "flatcake-ssd", "flatcake-fcfs": "flatcake-fcfs-ssd", "tiered": "tiered-ssd",
+                "file": "hicache-file"}
 #: Systems that fix the prefetch-I/O order under load (``flatcake-fcfs``: FlatCake with FC-MAS
 #: off, SGLang's FIFO); they run only in the serving model (``--qps``).
 FIXED_SCHEDULER = {"flatcake-fcfs": "fcfs"}
@@ -368,7 +369,7 @@ FIXED_SCHEDULER = {"flatcake-fcfs": "fcfs"}
 
 def make_system(name: str, profile: ModelProfile, host_pool_pages: int, out_dir: Path,
                 flatcake_keys: Mapping[str, Any], file_extra: Optional[Mapping[str, Any]] = None,
-                drop_page_cache: bool = True) -> L3System:
+                drop_page_cache: bool = True, tiered_extra: Optional[Mapping[str, Any]] = None) -> L3System:
     """Create system ``name`` with a fresh host pool and an empty storage directory
     ``out_dir/STORAGE_DIRS[name]`` (an old one is removed first; ``dram-only`` and ``recompute``
     have none)."""
@@ -379,6 +380,13 @@ def make_system(name: str, profile: ModelProfile, host_pool_pages: int, out_dir:
         if name == "recompute":
             return RecomputeSystem(profile, pool)
         return DramOnlySystem(profile, pool, dram_capacity(flatcake_keys))
+    if name == "tiered":
+        from flatcake.replay.tiered import TieredSystem
+
+        root = Path(out_dir) / STORAGE_DIRS["tiered"]
+        shutil.rmtree(root, ignore_errors=True)
+        return TieredSystem(profile, pool, root, dram_capacity(flatcake_keys), ssd_capacity(flatcake_keys),
+                            tiered_extra)
     if name == "file":
         root = Path(out_dir) / STORAGE_DIRS["file"]
         shutil.rmtree(root, ignore_errors=True)

@@ -23,7 +23,7 @@ def _run(tmp_path, trace, profile, systems, **replay):
     return run_replay(cfg, settings, profile, progress=False)
 
 
-@pytest.mark.parametrize("system", ["file", "flatcake", "dram-only"])
+@pytest.mark.parametrize("system", ["file", "flatcake", "dram-only", "tiered"])
 def test_mooncake_without_hbm_every_reuse_comes_from_l3(tmp_path, mooncake_path, tiny_profile, system):
     s = _run(tmp_path, mooncake_path, tiny_profile, [system], hbm_pages=0)
     assert s["requests"] == 5 and s["prompt_pages"] == 88 and s["unique_pages"] == 40

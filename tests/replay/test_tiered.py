@@ -1,0 +1,108 @@
+"""The ``tiered`` baseline (flatcake.replay.tiered): writes enter DRAM, LRU eviction demotes to
+SSD buckets in eviction order, buckets are reclaimed FIFO, SSD hits are staged within a budget
+(revoked beyond it) and promoted back into DRAM. Every page read back is the page written."""
+
+import pytest
+from flatcake_testkit import fill_page, page_matches, slots_of
+
+from flatcake.replay.tiered import TieredSystem
+from replay_fixtures import tiny_profile  # noqa: F401  (pytest fixture)
+
+PAGE_BYTES = 16384  # tiny profile
+
+
+@pytest.fixture
+def tiered(tmp_path, tiny_profile):
+    made = []
+
+    def _make(dram_pages=4, ssd_pages=64, **extra):
+        pool = tiny_profile.make_host_pool(256)
+        t = TieredSystem(tiny_profile, pool, tmp_path / f"t{len(made)}", dram_pages * PAGE_BYTES,
+                         ssd_pages * PAGE_BYTES, {"bucket_bytes": 8 * PAGE_BYTES, **extra})
+        made.append(t)
+        return t, pool
+
+    yield _make
+    for t in made:
+        t.close()
+
+
+def write(t, pool, keys, first_slot_page=0):
+    P = pool.page_size
+    pages = range(first_slot_page, first_slot_page + len(keys))
+    for k, p in zip(keys, pages):
+        fill_page(pool, p * P, k)
+    assert t.set(list(keys), slots_of(pool, pages), [])
+
+
+def read(t, pool, keys, first_page=128):
+    pages = range(first_page, first_page + len(keys))
+    for p in pages:
+        fill_page(pool, p * pool.page_size, "junk")
+    got = t.get(list(keys), slots_of(pool, pages), [])
+    ok = [page_matches(pool, p * pool.page_size, k) for k, p in zip(keys, pages)]
+    return got, ok
+
+
+def test_evicted_pages_are_demoted_in_eviction_order_and_read_back_bit_exact(tiered):
+    t, pool = tiered(dram_pages=6)
+    keys = [f"a{i}" for i in range(10)]
+    write(t, pool, keys)
+    assert t.drain()
+    media = t.medium_summary(keys).media
+    assert media == ("ssd",) * 4 + ("dram",) * 6  # the 4 least recently written went to SSD
+    c = t.counters()
+    assert c["ssd_write_ops"] == 4 and c["ssd_write_bytes"] == 4 * PAGE_BYTES
+    assert t.exists(keys, []) == 10
+    got, ok = read(t, pool, keys[4:] + keys[:4])  # DRAM pages first: promotions evict behind them
+    assert got == (10, 6, 4) and all(ok)
+    assert t.counters()["ssd_read_ops"] == 4 and t.counters()["hit_pages_ssd"] == 4
+    assert t.drain() and t.medium_summary(keys[:4]).media == ("dram",) * 4  # promoted
+
+
+def test_promotions_into_a_small_dram_thrash_it(tiered):
+    """Read in prefix order, each promotion evicts a page the same read still needs: LRU
+    thrash, every page served from SSD (what eviction-order placement does to one session)."""
+    t, pool = tiered(dram_pages=4)
+    keys = [f"a{i}" for i in range(10)]
+    write(t, pool, keys)
+    assert t.drain()
+    got, ok = read(t, pool, keys)
+    assert got[0] == 10 and got[2] >= 6 and all(ok)
+
+
+def test_an_ssd_hit_is_promoted_back_into_dram(tiered):
+    t, pool = tiered(dram_pages=4)
+    write(t, pool, [f"a{i}" for i in range(8)])
+    assert t.drain()
+    assert t.medium_summary(["a0"]).media == ("ssd",)
+    got, ok = read(t, pool, ["a0"])
+    assert got == (1, 0, 1) and ok == [True]
+    assert t.medium_summary(["a0"]).media == ("dram",)  # promoted; the disk replica stays
+    got, ok = read(t, pool, ["a0"])
+    assert got == (1, 1, 0) and ok == [True]
+
+
+def test_buckets_are_reclaimed_fifo_across_sessions(tiered):
+    t, pool = tiered(dram_pages=2, ssd_pages=32)  # 4 buckets of 8 pages
+    for s in range(6):  # 6 sessions x 8 pages: 46 demoted, more than the 32 the SSD holds
+        write(t, pool, [f"s{s}-{i}" for i in range(8)], first_slot_page=8 * s)
+        assert t.drain()
+    assert t.exists([f"s0-{i}" for i in range(8)], []) == 0  # the oldest bucket went whole
+    assert t.exists([f"s5-{i}" for i in range(8)], []) == 8
+    on_ssd = sum(t.medium_summary([f"s{s}-{i}" for i in range(8)]).ssd_pages for s in range(6))
+    assert on_ssd <= 32 and len(list(t.root.glob("*.bucket"))) <= 4
+    got, ok = read(t, pool, [f"s4-{i}" for i in range(8)])
+    assert got[0] == 8 and all(ok)
+
+
+def test_a_read_beyond_the_staging_budget_is_revoked_from_its_first_ssd_page(tiered):
+    t, pool = tiered(dram_pages=4, staging_bytes=3 * PAGE_BYTES)
+    keys = [f"a{i}" for i in range(8)]
+    write(t, pool, keys)
+    assert t.drain()  # a0..a3 on SSD, a4..a7 in DRAM
+    got, _ = read(t, pool, keys[4:] + keys[:4])  # DRAM pages first, then 4 SSD pages > 3 staged
+    assert got == (4, 4, 0)
+    assert t.counters()["staging_revoked_pages"] == 4 and t.counters()["ssd_read_ops"] == 0
+    got, ok = read(t, pool, keys[:3])  # 3 SSD pages fit the budget
+    assert got == (3, 0, 3) and all(ok)
