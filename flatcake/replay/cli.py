@@ -301,7 +301,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run even when the systems' estimated disk footprint exceeds the free space")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--qps", help="serve under load at these arrival rates (req/s, comma-separated): "
-                   "the concurrent serving model, outputs serving.json/serving.md")
+                   "the concurrent serving model, outputs summary.json, summary.md and figures")
     p.add_argument("--scheduler", help="with --qps: prefetch I/O order, fcfs | mas | fcfs,mas (default: the config's mas.scheduler)")
     p.add_argument("--ssd-restores", type=int, help="with --qps: concurrent SSD restores in the mas lanes "
                    "(default: the config's cio.windows)")
@@ -362,7 +362,7 @@ def _serve(cfg: FlatCakeConfig, settings: dict, profile: ModelProfile, rates: li
         print(f"flatcake-replay: {e}", file=sys.stderr)
         return 2
     print(serving_markdown(result))
-    print(f"wrote {Path(settings['out']) / 'serving.json'} in {time.perf_counter() - t0:.1f} s")
+    print(f"wrote {Path(settings['out']) / 'summary.json'} in {time.perf_counter() - t0:.1f} s")
     return 1 if any(r["verify_failures"] for r in result["runs"]) else 0
 
 

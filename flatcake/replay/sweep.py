@@ -1,9 +1,12 @@
 """``flatcake-replay --qps R[,R...] [--scheduler fcfs,mas]``: the trace under load, through the
 concurrent serving model (:mod:`flatcake.replay.serving`), for each rate, scheduler and system.
 
-Each (rate, scheduler, system) run gets a fresh store in ``<out>/flatcake-ssd`` (or
-``hicache-file``), removed afterwards unless ``keep_data``. Outputs: ``<out>/serving.json``
-(``{"runs": [{"qps", "scheduler", "system", ...serving_summary...}]}``) and ``serving.md``.
+Each (rate, scheduler, system) run gets a fresh store in ``<out>/<STORAGE_DIRS[system]>``,
+removed afterwards unless ``keep_data``. Outputs in ``<out>/``: ``summary.json``
+(``{"trace", "requests", "ideal_hit_rate", "points": [{"qps", "systems": {label: summary}}],
+"runs": [{"qps", "scheduler", "system", ...serving_summary...}]}``; a label is the system's
+name, or ``system/scheduler`` when several schedulers ran), ``summary.md`` (the table, linking
+the figures) and the figures of :mod:`flatcake.replay.figures`.
 """
 
 from __future__ import annotations
@@ -13,14 +16,15 @@ import os
 import shutil
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 from flatcake.replay.engine import EngineConfig, ModelProfile
 from flatcake.replay.keys import PageKeyer
 from flatcake.replay.serving import ServingConfig, ServingModel, serving_summary
 from flatcake.replay.budget import check_disk_budget
 from flatcake.replay.systems import FIXED_SCHEDULER, STORAGE_DIRS, make_system
-from flatcake.replay.traces import load_trace
+from flatcake.replay.figures import FIGURES, plot_sweep
+from flatcake.replay.traces import ideal_hit_rate, load_trace
 
 SCHEDULERS = ("fcfs", "mas")
 
@@ -65,7 +69,8 @@ def run_sweep(fc_keys: dict, settings: dict[str, Any], profile: ModelProfile, ec
     """Serve the trace of ``settings`` at every rate under every scheduler on every system.
 
     Returns:
-        ``{"trace", "requests", "runs": [...]}`` (also written to ``<out>/serving.json``).
+        ``{"trace", "requests", "ideal_hit_rate", "points", "runs"}`` (also written to
+        ``<out>/summary.json``).
 
     Raises:
         flatcake.replay.budget.DiskBudgetError: the largest system's footprint would not fit
@@ -98,19 +103,43 @@ def run_sweep(fc_keys: dict, settings: dict[str, Any], profile: ModelProfile, ec
                 system.close()
                 if not settings["keep_data"] and name in STORAGE_DIRS:
                     shutil.rmtree(out / STORAGE_DIRS[name], ignore_errors=True)
+            s["read_amplification"] = read_amplification(s, profile.page_size, profile.page_bytes)
             runs.append({"qps": qps, "scheduler": sched, "system": name, **s})
-    result = {"trace": os.path.normpath(str(settings["trace"])), "requests": len(reqs), "runs": runs}
-    (out / "serving.json").write_text(json.dumps(result, indent=2) + "\n")
-    (out / "serving.md").write_text(serving_markdown(result))
+    hits, total = ideal_hit_rate(keys)
+    result = {"trace": os.path.normpath(str(settings["trace"])), "requests": len(reqs),
+              "ideal_hit_rate": hits / total if total else None,
+              "points": sweep_points(runs, multi_scheduler=len(schedulers) > 1), "runs": runs}
+    (out / "summary.json").write_text(json.dumps(result, indent=2) + "\n")
+    figures = plot_sweep(result["points"], result["ideal_hit_rate"], out) if settings.get("plot", True) else []
+    (out / "summary.md").write_text(serving_markdown(result, figures))
     return result
 
 
-def serving_markdown(result: dict[str, Any]) -> str:
+def sweep_points(runs: Sequence[dict], multi_scheduler: bool) -> list[dict[str, Any]]:
+    """Runs grouped by rate: ``[{"qps", "systems": {label: run}}]`` in rate order; ``label`` is
+    the system name, or ``system/scheduler`` when several schedulers ran (``flatcake-fcfs``
+    keeps its name)."""
+    points: dict[float, dict] = {}
+    for r in runs:
+        label = r["system"] if not multi_scheduler or r["system"] in FIXED_SCHEDULER else f"{r['system']}/{r['scheduler']}"
+        points.setdefault(r["qps"], {"qps": r["qps"], "systems": {}})["systems"][label] = r
+    return [points[q] for q in sorted(points)]
+
+
+def read_amplification(run: dict, page_size: int, page_bytes: int) -> Optional[float]:
+    """SSD bytes read / bytes of the pages delivered from SSD (None without SSD hits)."""
+    ssd_bytes = run["hit_tokens"]["ssd"] // page_size * page_bytes
+    return run["counters"].get("ssd_read_bytes", 0) / ssd_bytes if ssd_bytes else None
+
+
+def serving_markdown(result: dict[str, Any], figures: Sequence[str] = ()) -> str:
     """One row per (rate, scheduler, system); "–" where nothing was measured (e.g. no SSD
-    restore at all)."""
+    restore at all); then links to ``figures``."""
     head = ("| qps | scheduler | system | hit rate | TTFT mean (s) | TTFT p99 (s) | queue p99 (s) | "
             "SSD prefetch p99 (s) | DRAM-lane wait p99 (s) | declined tok | revoked tok | tok/s | verify failures |")
-    rows = [f"Trace `{result['trace']}`, {result['requests']} requests.", "", head, "|" + "---|" * 13]
+    ideal = result.get("ideal_hit_rate")
+    rows = [f"Trace `{result['trace']}`, {result['requests']} requests, ideal hit rate "
+            f"{'–' if ideal is None else format(ideal, '.2%')}.", "", head, "|" + "---|" * 13]
     def f(v, spec=".3f"):
         return "–" if v is None else format(v, spec)
 
@@ -120,7 +149,10 @@ def serving_markdown(result: dict[str, Any]) -> str:
                     f"{f(r['ssd_prefetch_s']['p99'])} | {f(r['dram_lane_wait_p99_s'])} | "
                     f"{r['declined_prefetch_tokens']:,} | {r['revoked_prefetch_tokens']:,} | "
                     f"{f(r['tokens_per_s'], ',.0f')} | {r['verify_failures']} |")
+    if figures:
+        rows += ["", "Figures: " + ", ".join(f"[{FIGURES[n]}]({n})" for n in figures)]
     return "\n".join(rows) + "\n"
 
 
-__all__ = ["SCHEDULERS", "parse_rates", "parse_schedulers", "run_sweep", "serving_markdown"]
+__all__ = ["SCHEDULERS", "parse_rates", "parse_schedulers", "read_amplification", "run_sweep", "serving_markdown",
+           "sweep_points", "sweep_pairs"]

@@ -104,11 +104,24 @@ def test_cli_qps_sweep_writes_one_row_per_rate_scheduler_and_system(tmp_path, mo
     rc = main(["--trace", str(mooncake_path), "--systems", "flatcake,file", "--out", str(out),
                "--qps", "20,40", "--scheduler", "fcfs,mas", "--no-progress"])
     assert rc == 0
-    runs = json.loads((out / "serving.json").read_text())["runs"]
+    runs = json.loads((out / "summary.json").read_text())["runs"]
     assert [(r["qps"], r["scheduler"], r["system"]) for r in runs] == [
         (q, s, n) for q in (20.0, 40.0) for s in ("fcfs", "mas") for n in ("flatcake", "file")]
     assert all(r["requests"] == 5 and r["verify_failures"] == 0 for r in runs)
-    assert "| 40 | mas | file |" in (out / "serving.md").read_text()
+    md = (out / "summary.md").read_text()
+    assert "| 40 | mas | file |" in md and "ideal hit rate 54.55%" in md  # 48 of 88 pages
+    result = json.loads((out / "summary.json").read_text())
+    assert result["ideal_hit_rate"] == pytest.approx(48 / 88)
+    assert [p["qps"] for p in result["points"]] == [20.0, 40.0]
+    assert sorted(result["points"][1]["systems"]) == ["file/fcfs", "file/mas", "flatcake/fcfs", "flatcake/mas"]
+    for name in ("hit_rate_vs_qps.png", "ttft_vs_qps.png", "throughput_vs_qps.png", "hit_tokens_by_medium.png",
+                 "ssd_prefetch_vs_qps.png", "read_amplification.png"):
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"]({name})" in md
+    from flatcake.replay.sweep import read_amplification
+
+    run = {"hit_tokens": {"ssd": 10 * 64}, "counters": {"ssd_read_bytes": 12 * PAGE_BYTES}}
+    assert read_amplification(run, 64, PAGE_BYTES) == 1.2
+    assert read_amplification({"hit_tokens": {"ssd": 0}, "counters": {}}, 64, PAGE_BYTES) is None
     assert not (out / "flatcake-ssd").exists() and not (out / "hicache-file").exists()
 
 
@@ -127,7 +140,7 @@ def test_flatcake_fcfs_runs_once_per_rate_under_fifo_beside_the_scheduler_sweep(
     rc = main(["--trace", str(mooncake_path), "--systems", "flatcake,flatcake-fcfs,dram-only", "--out", str(out),
                "--qps", "20", "--scheduler", "fcfs,mas", "--no-progress"])
     assert rc == 0
-    runs = json.loads((out / "serving.json").read_text())["runs"]
+    runs = json.loads((out / "summary.json").read_text())["runs"]
     assert [(r["scheduler"], r["system"]) for r in runs] == [
         ("fcfs", "flatcake"), ("fcfs", "dram-only"), ("mas", "flatcake"), ("mas", "dram-only"), ("fcfs", "flatcake-fcfs")]
     by = {(r["scheduler"], r["system"]): r for r in runs}
