@@ -32,6 +32,7 @@ from typing import Any, Optional, Sequence
 
 from tqdm import tqdm
 
+from flatcake.align import ALIGN
 from flatcake.config import ConfigError, FlatCakeConfig, load_config, read_yaml
 from flatcake.replay.budget import DiskBudgetError, check_disk_budget
 from flatcake.replay.engine import Engine, EngineConfig, ModelProfile, RequestOutcome
@@ -144,6 +145,41 @@ def replay_settings(cfg: FlatCakeConfig, args: argparse.Namespace, config_dir: P
     if Path(s["out"]).exists() and not Path(s["out"]).is_dir():
         raise ConfigError(f"replay.out: not a directory: {s['out']}")
     return s
+
+
+def apply_scale(cfg: FlatCakeConfig, settings: dict, profile: ModelProfile, n: int):
+    """``--scale N``: page bytes (:meth:`ModelProfile.scaled`) and every capacity divided by
+    ``n`` — ``dram.capacity_bytes``, ``ssd.file_bytes`` (rounded down to 4 KiB; ``max_files``
+    kept), ``cio.staging_bytes`` when set, and the byte sizes in ``file_extra``/``tiered_extra``
+    — so pages per medium, and with them hit rates, placement and reclaim, are as at full size.
+    Page counts (HBM, host pool) and token thresholds are unchanged. Returns ``(cfg, settings,
+    profile)``; ``settings["scale"]`` records ``n``.
+
+    Raises:
+        ValueError: ``n`` does not divide the model's KV dimension, or a capacity would round to
+            0 (messages name ``--scale``).
+    """
+    profile = profile.scaled(n)
+
+    def down(v: int, field: str) -> int:
+        out = (int(v) // n) // ALIGN * ALIGN
+        if v and out == 0:
+            raise ValueError(f"--scale: {field}={v} divided by {n} rounds to 0")
+        return out
+
+    upd = {"dram": {"capacity_bytes": down(cfg.dram.capacity_bytes, "dram.capacity_bytes")},
+           "ssd": {"file_bytes": down(cfg.ssd.file_bytes, "ssd.file_bytes")}}
+    if cfg.cio.staging_bytes:
+        upd["cio"] = {"staging_bytes": down(cfg.cio.staging_bytes, "cio.staging_bytes")}
+    cfg = load_config(None, {**cfg.model_dump(), **{k: {**getattr(cfg, k).model_dump(), **v} for k, v in upd.items()}})
+    settings = dict(settings, scale=n)
+    for key in ("file_extra", "tiered_extra"):
+        extra = dict(settings.get(key) or {})
+        for field in ("max_size", "bucket_bytes", "staging_bytes"):
+            if isinstance(extra.get(field), int) and extra[field]:
+                extra[field] = down(extra[field], f"{key}.{field}")
+        settings[key] = extra
+    return cfg, settings, profile
 
 
 def _disk_bytes(root: Path) -> int:
@@ -264,6 +300,8 @@ def run_replay(cfg: FlatCakeConfig, settings: dict[str, Any], profile: ModelProf
                   "bytes_per_token": profile.bytes_per_token},
         "engine": ecfg.__dict__,
         "trace_load_s": load_s,
+        "scale": settings.get("scale", 1),
+        "timings_meaningful": settings.get("scale", 1) == 1,
         "systems": {},
     }
     for n in names:
@@ -300,6 +338,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ignore-disk-budget", action="store_true",
                    help="run even when the systems' estimated disk footprint exceeds the free space")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--scale", type=int, default=1,
+                   help="divide page bytes and every capacity by N (hit rates, placement and reclaim as at full "
+                        "size; timings not meaningful)")
     p.add_argument("--qps", help="serve under load at these arrival rates (req/s, comma-separated): "
                    "the concurrent serving model, outputs summary.json, summary.md and figures")
     p.add_argument("--scheduler", help="with --qps: prefetch I/O order, fcfs | mas | fcfs,mas (default: the config's mas.scheduler)")
@@ -316,6 +357,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         config_dir = Path(args.config).resolve().parent if args.config else Path.cwd()
         profile = resolve_model(cfg, config_dir)
         settings = replay_settings(cfg, args, config_dir)
+        if args.scale != 1:
+            cfg, settings, profile = apply_scale(cfg, settings, profile, args.scale)
     except (ConfigError, ValueError, FileNotFoundError) as e:
         print(f"flatcake-replay: {e}", file=sys.stderr)
         return 2

@@ -21,6 +21,8 @@ queueing: requests are served one after another, so TTFT is a per-request servic
 
 from __future__ import annotations
 
+import dataclasses
+
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -116,6 +118,22 @@ class ModelProfile:
     def page_bytes(self) -> int:
         """Bytes of one page (all layers)."""
         return self.bytes_per_token * self.page_size
+
+    def scaled(self, n: int) -> "ModelProfile":
+        """The same model with ``page_bytes`` divided by ``n`` (``--scale N``): the head
+        dimension (MHA) or latent dimension (MLA) of the KV divided by ``n``; layers, page
+        size and the compute model unchanged, so tokens, pages and hit rates are as at full size.
+
+        Raises:
+            ValueError: ``n`` < 1, or ``n`` does not divide that dimension (names ``--scale``).
+        """
+        if n < 1:
+            raise ValueError(f"--scale: must be at least 1 (got {n})")
+        field = "head_dim" if self.attention == "mha" else "kv_cache_dim"
+        dim = getattr(self, field)
+        if dim % n or dim // n < 1:
+            raise ValueError(f"--scale: {n} must divide model.{field} ({dim})")
+        return dataclasses.replace(self, **{field: dim // n}, name=f"{self.name} (1/{n} scale)" if n > 1 else self.name)
 
     def make_host_pool(self, pages: int):
         """A host-pool double of ``pages`` pages in this profile's layout."""

@@ -130,6 +130,13 @@ _ROWS: list[tuple[str, Any, str]] = [
 ]
 
 
+def scale_note(n: int) -> str:
+    """What a ``--scale N`` run's numbers mean."""
+    return (f"**Scaled run (--scale {n}):** page bytes and every capacity divided by {n}; hit rates, "
+            "hits by medium, placement and reclaim are as at full size; bytes are 1/{n} of full size; "
+            "timings (TTFT, latencies, throughput, GB/s) are NOT meaningful.").replace("{n}", str(n))
+
+
 def markdown(summary: Mapping[str, Any]) -> str:
     """The side-by-side table of ``summary`` (as written to ``summary.md``)."""
     systems: Mapping[str, Any] = summary["systems"]
@@ -138,6 +145,7 @@ def markdown(summary: Mapping[str, Any]) -> str:
     lines = [
         "# FlatCake trace replay",
         "",
+        *([scale_note(summary["scale"]), ""] if summary.get("scale", 1) > 1 else []),
         f"- trace: `{summary['trace']}` ({summary['requests']} requests, "
         f"{summary.get('prompt_pages', 0):,} prompt pages, {summary.get('unique_pages', 0):,} unique)",
         f"- ideal (infinite-cache) page hit rate: {_fmt(summary['ideal_hit_rate'], 'pct')}",

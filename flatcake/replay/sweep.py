@@ -24,6 +24,7 @@ from flatcake.replay.serving import ServingConfig, ServingModel, serving_summary
 from flatcake.replay.budget import check_disk_budget
 from flatcake.replay.systems import FIXED_SCHEDULER, STORAGE_DIRS, make_system
 from flatcake.replay.figures import FIGURES, plot_sweep
+from flatcake.replay.report import scale_note
 from flatcake.replay.traces import ideal_hit_rate, load_trace
 
 SCHEDULERS = ("fcfs", "mas")
@@ -107,7 +108,8 @@ def run_sweep(fc_keys: dict, settings: dict[str, Any], profile: ModelProfile, ec
             runs.append({"qps": qps, "scheduler": sched, "system": name, **s})
     hits, total = ideal_hit_rate(keys)
     result = {"trace": os.path.normpath(str(settings["trace"])), "requests": len(reqs),
-              "ideal_hit_rate": hits / total if total else None,
+              "ideal_hit_rate": hits / total if total else None, "scale": settings.get("scale", 1),
+              "timings_meaningful": settings.get("scale", 1) == 1,
               "points": sweep_points(runs, multi_scheduler=len(schedulers) > 1), "runs": runs}
     (out / "summary.json").write_text(json.dumps(result, indent=2) + "\n")
     figures = plot_sweep(result["points"], result["ideal_hit_rate"], out) if settings.get("plot", True) else []
@@ -140,6 +142,8 @@ def serving_markdown(result: dict[str, Any], figures: Sequence[str] = ()) -> str
     ideal = result.get("ideal_hit_rate")
     rows = [f"Trace `{result['trace']}`, {result['requests']} requests, ideal hit rate "
             f"{'–' if ideal is None else format(ideal, '.2%')}.", "", head, "|" + "---|" * 13]
+    if result.get("scale", 1) > 1:
+        rows[1:1] = ["", scale_note(result["scale"])]
     def f(v, spec=".3f"):
         return "–" if v is None else format(v, spec)
 
