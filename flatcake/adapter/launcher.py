@@ -21,10 +21,10 @@ Accepted (in any position, each as ``--flag value`` or ``--flag=value``)::
 
 Serving defaults with the flatcake backend (both can be turned off):
 
-* ``--hicache-host-memory-mode buffer_only`` is appended unless the command line sets a host
-  memory mode itself, asks for ``--no-buffer-only``, or is a PD decode instance
-  (``--disaggregation-mode decode``, which SGLang refuses in buffer_only). In buffer_only the host
-  pool is a bounce buffer and FlatCake's DRAM medium is the DRAM tier: the paper's flat design.
+* ``--hicache-host-memory-mode buffer_only`` is appended unless the arguments as SGLang reads
+  them (its parser, with its ``--config`` YAML merged) set a host memory mode, ``--no-buffer-only``
+  is given, or SGLang would refuse it (:func:`buffer_only_refusal`). In buffer_only the host pool
+  is a bounce buffer and FlatCake's DRAM medium is the DRAM tier: the paper's flat design.
 * The FC-MAS plugin (:mod:`flatcake.adapter.plugin`) is enabled for the server's processes:
   ``FLATCAKE_PLUGIN=on``, and ``flatcake`` added to ``SGLANG_PLUGINS`` when that whitelist is set
   without it. ``--no-flatcake-plugin`` sets ``FLATCAKE_PLUGIN=off`` instead. A warning is printed
@@ -45,6 +45,9 @@ message on stderr).
 
 from __future__ import annotations
 
+import argparse
+import contextlib
+import io
 import json
 import os
 import runpy
@@ -258,23 +261,72 @@ def flag_value(argv: Sequence[str], flag: str) -> Optional[str]:
     return value
 
 
+def sglang_view(argv: Sequence[str]) -> Optional[argparse.Namespace]:
+    """``argv`` as SGLang 0.5.23 will read it: its own parser (abbreviated flags resolved), its
+    ``--config`` YAML merged by its ``ConfigArgumentMerger``; ``hicache_host_memory_mode`` is
+    None when neither sets it. None when SGLang is not importable or rejects ``argv`` (SGLang
+    then reports that itself)."""
+    try:
+        from sglang.srt.server_args import ServerArgs
+    except Exception:  # noqa: BLE001 - no SGLang here: nothing to ask
+        return None
+    parser = argparse.ArgumentParser(add_help=False)
+    ServerArgs.add_cli_args(parser)
+    for action in parser._actions:  # --model-path is required by SGLang, not by this question
+        action.required = False
+    parser.set_defaults(hicache_host_memory_mode=None)
+    argv = list(argv)
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            if "--config" in argv:
+                from sglang.srt.utils.server_args_config_parser import ConfigArgumentMerger
+
+                argv = ConfigArgumentMerger(parser).merge_config_with_args(argv)
+            ns, _ = parser.parse_known_args(argv)
+    except (Exception, SystemExit):  # noqa: BLE001 - argparse exits on errors
+        return None
+    return ns
+
+
+def buffer_only_refusal(ns: argparse.Namespace) -> Optional[str]:
+    """Why SGLang 0.5.23 would refuse ``buffer_only`` for these arguments, or None. Checked:
+    a PD decode instance (``hicache_hook.py`` 290), DCP > 1 with L3 (136-139), a tree cache other
+    than the unified radix tree (``registry.py`` 240-250: ``--radix-cache-backend``,
+    ``--enable-flexkv``, ``--enable-lmcache``). Not visible here: pure-SWA models and SWA models
+    with the ``unified_kv`` layout (``buffer_mode/pipeline.py`` 215), which SGLang refuses at
+    start-up — use ``--no-buffer-only`` for those."""
+    if getattr(ns, "disaggregation_mode", None) == "decode":
+        return f"{PD_MODE_FLAG} decode"
+    if (getattr(ns, "dcp_size", 1) or 1) > 1:
+        return "--dcp-size > 1"
+    for flag in ("radix_cache_backend", "enable_flexkv", "enable_lmcache"):
+        if getattr(ns, flag, None):
+            return "--" + flag.replace("_", "-")
+    return None
+
+
 def with_buffer_only(argv: Sequence[str]) -> tuple[list[str], str]:
     """Append ``--hicache-host-memory-mode buffer_only`` where FlatCake's default applies.
 
     Returns:
-        (argv', note): argv unchanged when the command line sets a host memory mode itself or is
-        a PD decode instance; ``note`` says which, for the launcher's stderr line.
+        (argv', note): argv unchanged when the command line (or SGLang's ``--config`` file) sets
+        a host memory mode itself, when SGLang would refuse ``buffer_only``
+        (:func:`buffer_only_refusal`), or when SGLang's parser cannot read it; ``note`` says
+        which, for the launcher's stderr line.
     """
     argv = list(argv)
-    mode = flag_value(argv, HOST_MODE_FLAG)
-    if mode is not None:
-        return argv, f"{HOST_MODE_FLAG} {mode} (as given)"
-    if flag_value(argv, PD_MODE_FLAG) == "decode":
-        return argv, f"SGLang's default host memory mode (buffer_only is refused on {PD_MODE_FLAG} decode)"
+    ns = sglang_view(argv)
+    if ns is None:
+        return argv, "host memory mode left to SGLang (its parser could not read this command line)"
+    if ns.hicache_host_memory_mode is not None:
+        return argv, f"{HOST_MODE_FLAG} {ns.hicache_host_memory_mode} (as given)"
+    refusal = buffer_only_refusal(ns)
+    if refusal is not None:
+        return argv, f"SGLang's default host memory mode (SGLang refuses buffer_only with {refusal})"
     cut = argv.index("--") if "--" in argv else len(argv)
     return argv[:cut] + [HOST_MODE_FLAG, "buffer_only"] + argv[cut:], (
-        f"{HOST_MODE_FLAG} buffer_only (FlatCake's DRAM medium is the DRAM tier; {NO_BUFFER_ONLY_FLAG} keeps "
-        "SGLang's host cache)")
+        f"{HOST_MODE_FLAG} buffer_only (FlatCake's DRAM medium is the DRAM tier: size dram.capacity_bytes; "
+        f"{NO_BUFFER_ONLY_FLAG} keeps SGLang's host cache)")
 
 
 def plugin_environment(environ: dict[str, str], enabled: bool) -> dict[str, str]:

@@ -28,14 +28,20 @@ The hook falls through to SGLang's own loop (nothing changes) when:
 * ``FLATCAKE_PLUGIN`` is ``0``/``off``/``false``/``no`` (``flatcake-sglang --no-flatcake-plugin``);
 * the controller's storage backend is not FlatCake (another backend, or storage detached);
 * the backend's ``mas.scheduler`` is ``fcfs`` (the FC-MAS ablation);
-* the controller reduces acks over more than one rank (TP, PP or attention-CP > 1): SGLang
+* the controller reduces acks over more than one rank (its sync groups: attention-TP — the TP
+  group without DP attention —, attention-CP and PP, each when larger than 1; with DP attention
+  and attention-TP = 1 there is nothing to reduce and the lanes are used): SGLang
   all-reduces progress acks positionally (``cache_controller.py`` 1463-1487), so every rank must
   emit them in the same order, and a medium-aware order computed from per-rank indexes could
   differ between ranks and hang the all-reduce. FIFO is kept and said once at start-up.
 
-Each decision is logged once per process at INFO (``flatcake.plugin``), naming what was hooked.
-Stopping (``reset``/detach): operations not yet started when the controller's stop event is set
-are dropped without an ack, as SGLang leaves them in ``prefetch_buffer``; running ones finish.
+Each decision is logged once per process at INFO (``flatcake.plugin``) when the prefetch-I/O
+thread starts, naming what was hooked or why not. (With ``FLATCAKE_PLUGIN=off`` the plugin
+registers nothing and logs nothing: SGLang loads plugins before it configures logging.)
+Stopping (``reset``/detach): every operation the lanes hold is marked terminated, so a running
+``_page_transfer`` stops after its current 128-page batch (SGLang's own check) and the thread
+ends well inside SGLang's 10 s join; operations not yet started are dropped without an ack, as
+SGLang leaves them in ``prefetch_buffer``.
 """
 
 from __future__ import annotations
@@ -117,11 +123,13 @@ def prefetch_io_around(original, controller, *args, **kwargs):
     ``mas.scheduler`` is ``mas``; otherwise SGLang's own ``prefetch_io_aux_func``."""
     backend = flatcake_backend(controller)
     if backend is None:
+        _say_once("other", "flatcake plugin: the L3 backend is %s, not FlatCake: nothing hooked, SGLang's "
+                  "prefetch I/O runs as is", type(getattr(controller, "storage_backend", None)).__name__)
         return original(controller, *args, **kwargs)
     if ack_ranks(controller):
         _say_once("ranks", "flatcake plugin: prefetch acks are all-reduced over more than one rank "
-                  "(TP/PP/CP > 1): keeping SGLang's FIFO prefetch I/O so every rank acks in the same "
-                  "order; FC-MAS lanes are off for this server")
+                  "(attention-TP, attention-CP or PP > 1): keeping SGLang's FIFO prefetch I/O so every rank "
+                  "acks in the same order; FC-MAS lanes are off for this server")
         return original(controller, *args, **kwargs)
     if backend.cfg.mas.scheduler != "mas":
         _say_once("fcfs", "flatcake plugin: mas.scheduler = fcfs: SGLang's FIFO prefetch I/O kept")
@@ -150,6 +158,8 @@ class PrefetchLanes:
         self.backend = backend
         self.ack = ack or _sglang_final_ack
         self.lanes = MediumAwareLanes(ssd_restores)
+        self._held: dict[int, Any] = {}  # id -> operation queued or running on the lanes
+        self._held_lock = threading.Lock()
 
     def run(self) -> None:
         """Dispatch until the controller's stop event is set, then stop the lanes (operations
@@ -166,10 +176,18 @@ class PrefetchLanes:
                 try:
                     self.submit(operation)
                 except Exception as e:  # noqa: BLE001 - the thread must live: run it as SGLang would
+                    with self._held_lock:
+                        self._held.pop(id(operation), None)
                     _say_once("submit-error", "flatcake plugin: could not queue a prefetch on the lanes "
                               "(%s: %s); running it in place, FIFO", type(e).__name__, e)
                     self.run_in_place(operation)
         finally:
+            with self._held_lock:
+                held = list(self._held.values())
+            for operation in held:  # stop after the current batch: SGLang joins this thread for 10 s
+                terminate = getattr(operation, "mark_terminate", None)
+                if terminate is not None:
+                    terminate()
             self.lanes.close()
 
     def run_in_place(self, operation: Any) -> None:
@@ -196,10 +214,14 @@ class PrefetchLanes:
             self.controller._page_transfer(operation)
 
         def done(_op: LaneOp) -> None:
+            with self._held_lock:
+                self._held.pop(id(operation), None)
             if started[0]:  # what SGLang's loop puts after _page_transfer returns or raises
                 self.controller.prefetch_sync_queue.put(self.ack(operation))
 
         arrival = float(getattr(operation, "start_time", 0.0) or time.monotonic())
+        with self._held_lock:
+            self._held[id(operation)] = operation
         self.lanes.submit(LaneOp(f"{operation.request_id}#{next(_ids)}", arrival,
                                  summary.dram_pages, summary.ssd_pages, summary.ssd_bytes,
                                  run=run, on_done=done))

@@ -1,8 +1,7 @@
 """Restore lanes: the threads that run prefetch I/O in the order FC-MAS decides (paper §3.2).
 
-Whoever drives them — today the replay's concurrent serving model
-(:mod:`flatcake.replay.serving`); an SGLang controller plugin is meant to use the same class —
-hands each request's prefetch to a :class:`Lanes` object as a :class:`LaneOp` (what its cached
+Whoever drives them — the replay's concurrent serving model (:mod:`flatcake.replay.serving`)
+and, inside SGLang, the controller plugin (:mod:`flatcake.adapter.plugin`) — hands each request's prefetch to a :class:`Lanes` object as a :class:`LaneOp` (what its cached
 prefix needs: pages on DRAM, pages and bytes on SSD, and a callable that performs the reads) and
 is told when it is done.
 
@@ -102,19 +101,23 @@ class Lanes:
         try:
             op.run()
         except Exception as e:  # noqa: BLE001 - a lane never dies and nothing waits forever
-            kind = type(e).__name__
-            if kind not in self._errors:
-                self._errors.add(kind)
-                log.error("flatcake lanes: a prefetch raised %s: %s (further ones are not logged)", kind, e)
+            self._log_once(f"run:{type(e).__name__}", "flatcake lanes: a prefetch raised %s: %s", e)
         op.finished_s = time.monotonic()
 
-    @staticmethod
-    def _complete(op: LaneOp) -> None:
+    def _complete(self, op: LaneOp) -> None:
+        """Announce ``op`` (``on_done``); an exception there is logged once, never ends a lane."""
         try:
             if op.on_done is not None:
                 op.on_done(op)
+        except Exception as e:  # noqa: BLE001 - a lane never dies and nothing waits forever
+            self._log_once(f"on_done:{type(e).__name__}", "flatcake lanes: announcing a prefetch raised %s: %s", e)
         finally:
             op._done.set()
+
+    def _log_once(self, kind: str, msg: str, e: Exception) -> None:
+        if kind not in self._errors:
+            self._errors.add(kind)
+            log.error(msg + " (further ones are not logged)", type(e).__name__, e)
 
 
 class FifoLanes(Lanes):
@@ -173,10 +176,10 @@ class MediumAwareLanes(Lanes):
         op.submitted_s = time.monotonic()
         op.lane = "ssd" if op.needs_ssd else "dram"
         max_gva = SSD_BOUNDARY if op.needs_ssd else 0
-        with self._cv:
+        with self._cv:  # the scheduler first: if it refuses the operation, nothing is left half-queued
+            self.scheduler.submit(MasRequest(op.request_id, op.arrival_s, max_gva, max(1, op.ssd_bytes)))
             self._ops[op.request_id] = op
             self._pending += 1
-            self.scheduler.submit(MasRequest(op.request_id, op.arrival_s, max_gva, max(1, op.ssd_bytes)))
             self._cv.notify_all()
 
     def _next_locked(self, take):
@@ -198,12 +201,14 @@ class MediumAwareLanes(Lanes):
                 if d is None:
                     return
                 op = self._ops.pop(d.request.request_id)
-            if not d.restored:
-                self._execute(op)
-            self._complete(op)
-            with self._cv:
-                self._pending -= 1
-                self._cv.notify_all()
+            try:
+                if not d.restored:
+                    self._execute(op)
+                self._complete(op)
+            finally:
+                with self._cv:
+                    self._pending -= 1
+                    self._cv.notify_all()
 
     def _ssd_work(self) -> None:
         """Take the best waiting restore when a slot is free, run it, let it re-enter ready."""

@@ -269,6 +269,12 @@ def test_main_runs_sglang_launch_server_with_rewritten_argv(no_sglang, monkeypat
     (["--no-buffer-only"], "cache"),  # SGLang's default
     (["--disaggregation-mode", "decode"], "cache"),  # SGLang refuses buffer_only on decode
     (["--disaggregation-mode", "prefill"], "buffer_only"),
+    (["--hicache-host-memory-m", "cache"], "cache"),  # SGLang's parser takes unique prefixes
+    (["--disaggregation-mo", "decode"], "cache"),
+    (["--dcp-size", "2"], "cache"),  # no buffer_only with DCP and L3
+    (["--enable-lmcache"], "cache"),  # not the unified radix tree
+    (["--enable-flexkv"], "cache"),
+    (["--radix-cache-backend", "x"], "cache"),
 ])
 def test_host_memory_mode_default_is_buffer_only(args, mode, sglang_parser, capsys):
     assert main(["--dry-run", *BASE, *FC, *args]) == 0
@@ -276,6 +282,22 @@ def test_host_memory_mode_default_is_buffer_only(args, mode, sglang_parser, caps
     ns = sglang_parser.parse_args(json.loads(out))
     assert ns.hicache_host_memory_mode == mode
     assert ("buffer_only (FlatCake's DRAM medium" in err) == (mode == "buffer_only")
+
+
+@pytest.mark.parametrize("yaml_text, mode", [
+    ("disaggregation-mode: decode\n", "cache"),
+    ("hicache-host-memory-mode: cache\n", "cache"),
+    ("page-size: 64\n", "buffer_only"),
+])
+def test_sglangs_config_file_is_read_like_sglang_reads_it(yaml_text, mode, sglang_parser, tmp_path, capsys):
+    from sglang.srt.utils.server_args_config_parser import ConfigArgumentMerger
+
+    cfg = tmp_path / "server.yaml"
+    cfg.write_text(yaml_text)
+    assert main(["--dry-run", *BASE, *FC, "--config", str(cfg)]) == 0
+    argv = json.loads(capsys.readouterr().out)
+    ns = sglang_parser.parse_args(ConfigArgumentMerger(sglang_parser).merge_config_with_args(argv))
+    assert ns.hicache_host_memory_mode == mode
 
 
 @pytest.mark.parametrize("given, expected", [

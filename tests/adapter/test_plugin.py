@@ -63,12 +63,14 @@ def test_hook_falls_through_to_sglang_when_backend_is_not_flatcake_or_ranks_redu
     original = lambda cc: seen.append(cc) or "sglang-loop"  # noqa: E731
     other = SimpleNamespace(storage_backend=object())
     assert plugin.prefetch_io_around(original, other) == "sglang-loop"
+    assert plugin.prefetch_io_around(original, other) == "sglang-loop"
     multi = ControllerDouble(be, 4, groups=1)
     assert plugin.ack_ranks(multi) == 1
     assert plugin.prefetch_io_around(original, multi) == "sglang-loop"
-    assert seen[:2] == [other, multi]
     assert plugin.prefetch_io_around(original, multi) == "sglang-loop"
-    assert caplog.text.count("(TP/PP/CP > 1): keeping SGLang's FIFO prefetch I/O") == 1  # said once
+    assert seen == [other, other, multi, multi]
+    assert caplog.text.count("(attention-TP, attention-CP or PP > 1): keeping SGLang's FIFO prefetch I/O") == 1
+    assert caplog.text.count("the L3 backend is object, not FlatCake: nothing hooked") == 1  # each said once
 
 
 def test_lanes_serve_dram_hits_before_a_held_ssd_restore_over_the_protocol_double(make_backend):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import queue
 import threading
+import time
 
 import pytest
 from flatcake_testkit import fill_page, page_matches, slots_of, two_requests_share, write_pages
@@ -183,3 +184,33 @@ def test_stop_drops_queued_operations_and_joins(hooked, make_backend, controller
             acks.append(q.get())
     assert [a.rid for a in acks if a.completed_req] == ["r0"]  # the one running finished
     assert sum(a.completed_tokens or 0 for a in acks) == 4 * pool.page_size
+
+
+def test_stop_terminates_a_long_restore_after_its_current_batch(hooked, make_backend, controller_module):
+    """SGLang joins the prefetch-I/O thread for 10 s: a 300-page restore (three 128-page batches)
+    caught by a stop ends after the batch in flight, its operation marked terminated."""
+    be, pool = make_backend(pages=640, extra={"dram.capacity_bytes": 0, "ssd.max_files": 8})
+    keys = [f"long{i}" for i in range(300)]
+    be.batch_exists(keys)
+    assert all(write_pages(be, pool, keys, range(300)))
+    gate, calls, real = threading.Event(), [], be.store.cio.restore
+
+    def counted(*a, **k):
+        calls.append(1)
+        assert gate.wait(30)
+        return real(*a, **k)
+
+    be.store.cio.restore = counted
+    cc = make_controller(controller_module, be, pool)
+    op = prefetch_op(controller_module, "long", keys, pool, range(320, 620))
+    cc.prefetch_buffer.put(op)
+    for _ in range(3000):  # until the first batch's restore is in flight (30 s at most)
+        if calls:
+            break
+        time.sleep(0.01)
+    assert calls
+    cc.storage_stop_event.set()  # what _stop_storage_threads does first
+    gate.set()
+    cc._stop_storage_threads()
+    assert not cc.prefetch_io_aux_thread.is_alive()
+    assert op.is_terminated() and len(calls) == 1  # the second and third batches never started

@@ -136,3 +136,36 @@ def test_make_lanes_names_the_field_on_a_bad_scheduler():
     assert isinstance(make_lanes("fcfs"), FifoLanes)
     with pytest.raises(ValueError, match="scheduler must be 'fcfs' or 'mas'"):
         make_lanes("lifo")
+
+
+def test_a_refused_submit_leaves_nothing_half_queued_and_close_returns():
+    lanes = MediumAwareLanes(ssd_workers=1)
+    gate, log = threading.Event(), []
+    t0 = time.monotonic()
+    lanes.submit(op("a", t0, 4 * MiB, run=lambda: gate.wait(5), log=log))
+    with pytest.raises(ValueError, match="already scheduled"):
+        lanes.submit(op("a", t0, 4 * MiB, log=log))  # same id while the first is in flight
+    gate.set()
+    closer = threading.Thread(target=lanes.close)
+    closer.start()
+    closer.join(10)
+    assert not closer.is_alive() and log == [("run", "a"), ("done", "a")]
+
+
+def test_an_announcement_that_raises_never_ends_the_dram_lane(caplog):
+    lanes = MediumAwareLanes(ssd_workers=1)
+    t0, log = time.monotonic(), []
+
+    def bad_done(o):
+        raise RuntimeError("ack queue gone")
+
+    first = LaneOp("x", t0, 4, 0, 0, lambda: None, on_done=bad_done)
+    lanes.submit(first)
+    assert first.wait(5)
+    later = [op(f"d{i}", t0 + i, log=log) for i in range(2)] + [op("s", t0 + 3, 4 * MiB, log=log)]
+    for o in later:
+        lanes.submit(o)
+    assert all(o.wait(5) for o in later)
+    assert [e for e in log if e[0] == "done"] == [("done", "d0"), ("done", "d1"), ("done", "s")]
+    assert "ack queue gone" in caplog.text
+    lanes.close()
