@@ -12,7 +12,7 @@ TORCH_PIP_ARGS ?=
 STAMP := $(VENV)/.flatcake-installed
 SOAK_SECONDS ?= 30
 
-.PHONY: venv demo test soak bench clean
+.PHONY: venv demo test soak bench results results-quick clean
 
 venv: $(STAMP)
 
@@ -37,6 +37,12 @@ demo: venv
 
 test: venv
 	TRITON_INTERPRET=1 $(VPY) -m pytest -q tests
+
+results: venv
+	$(VPY) scripts/results.py
+
+results-quick: venv
+	$(VPY) scripts/results.py --quick
 
 soak: venv
 	$(VPY) scripts/soak.py --seconds $(SOAK_SECONDS) --restarts 2 --json runs/soak/soak.json

@@ -173,6 +173,10 @@ def apply_scale(cfg: FlatCakeConfig, settings: dict, profile: ModelProfile, n: i
         upd["cio"] = {"staging_bytes": down(cfg.cio.staging_bytes, "cio.staging_bytes")}
     cfg = load_config(None, {**cfg.model_dump(), **{k: {**getattr(cfg, k).model_dump(), **v} for k, v in upd.items()}})
     settings = dict(settings, scale=n)
+    from flatcake.replay.tiered import DEFAULT_BUCKET_BYTES, DEFAULT_STAGING_BYTES
+
+    settings["tiered_extra"] = {"bucket_bytes": DEFAULT_BUCKET_BYTES, "staging_bytes": DEFAULT_STAGING_BYTES,
+                                **dict(settings.get("tiered_extra") or {})}  # its defaults scale too
     for key in ("file_extra", "tiered_extra"):
         extra = dict(settings.get(key) or {})
         for field in ("max_size", "bucket_bytes", "staging_bytes"):

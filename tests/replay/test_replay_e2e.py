@@ -259,6 +259,7 @@ def test_scale_divides_bytes_and_capacities_and_keeps_hits(tmp_path, weka_path, 
     assert s4["model"]["page_bytes"] * 4 == full["model"]["page_bytes"]
     assert s4["config"]["flatcake"]["ssd"]["file_bytes"] == (4 << 20) // 4
     assert s4["config"]["flatcake"]["dram"]["capacity_bytes"] == (1 << 20) // 4
+    assert s4["config"]["replay"]["tiered_extra"] == {"bucket_bytes": (256 << 20) // 4, "staging_bytes": (1 << 30) // 4}
     for name in ("flatcake", "file", "tiered"):
         a, b = full["systems"][name], s4["systems"][name]
         assert b["verify_failures"] == 0
