@@ -31,21 +31,17 @@ import argparse
 import dataclasses
 import json
 import random
-import shutil
-import statistics
 import sys
-import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench_common import add_common_args, median_of, temp_system, write_json  # noqa: E402
 from flatcake.config import read_yaml  # noqa: E402
 from flatcake.replay.engine import Engine, EngineConfig, ModelProfile  # noqa: E402
 from flatcake.replay.keys import PageKeyer  # noqa: E402
-from flatcake.replay.serving import ServingConfig, ServingModel, serving_summary  # noqa: E402
-from flatcake.replay.systems import make_system  # noqa: E402
+from flatcake.replay.serving import ServingConfig, serve  # noqa: E402
 from flatcake.replay.traces import load_trace  # noqa: E402
 
 TRACES = ROOT.parent / "shared" / "traces"
@@ -90,11 +86,9 @@ def build_mix(args):
 
 def one_run(args, profile, scheduler: str, warm, measured, base: Path) -> dict:
     keyer = PageKeyer(profile.page_size)
-    out = Path(tempfile.mkdtemp(prefix=f"mas-{scheduler}-", dir=base))
     fc = {"dram.capacity_bytes": 256 << 20, "ssd.file_bytes": 256 << 20, "ssd.max_files": args.max_files,
           "placement.l_agent_tokens": 4096, "cio.windows": args.ssd_restores}
-    system = make_system("flatcake", profile, args.host_pool_pages, out, fc)
-    try:
+    with temp_system("flatcake", profile, args.host_pool_pages, base, fc, f"mas-{scheduler}-") as system:
         ecfg = EngineConfig(hbm_pages=0, host_pool_pages=args.host_pool_pages)
         warm_engine = Engine(system, profile, ecfg)
         for r in warm[-2:]:  # the two short requests ask before either is written: a shared prompt
@@ -102,21 +96,12 @@ def one_run(args, profile, scheduler: str, warm, measured, base: Path) -> dict:
         for r in warm:
             warm_engine.run(keyer.keys(r), r.prompt_tokens)
         native = (len(measured) - 1) / (measured[-1].arrival_s - measured[0].arrival_s)
-        model = ServingModel(system, profile, ecfg, ServingConfig(qps=native, scheduler=scheduler,
-                                                                  ssd_restores=args.ssd_restores))
-        t0 = time.monotonic()
-        lives = model.run(measured, [keyer.keys(r) for r in measured])
-        s = serving_summary(lives, profile.page_size, time.monotonic() - t0, model.backup_skipped_pages)
-        s["counters"] = system.counters()
-        return s
-    finally:
-        system.close()
-        shutil.rmtree(out, ignore_errors=True)
+        scfg = ServingConfig(qps=native, scheduler=scheduler, ssd_restores=args.ssd_restores)
+        return serve(system, profile, ecfg, scfg, measured, [keyer.keys(r) for r in measured])
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--profile", default=str(ROOT / "configs" / "model-qwen2.5-0.5b.yaml"))
     ap.add_argument("--weka", default=str(WEKA))
     ap.add_argument("--mooncake", default=str(MOONCAKE))
     ap.add_argument("--agents", type=int, default=16, help="WEKA conversations (default 16)")
@@ -125,12 +110,8 @@ def main(argv=None) -> int:
     ap.add_argument("--short-blocks", type=int, default=2, help="512-token blocks per short prompt (default 2)")
     ap.add_argument("--qps", type=float, default=40.0, help="short-request arrival rate (default 40/s)")
     ap.add_argument("--ssd-restores", type=int, default=1, help="concurrent SSD restores, cio.windows (default 1)")
-    ap.add_argument("--host-pool-pages", type=int, default=1024)
     ap.add_argument("--max-files", type=int, default=16, help="256 MiB pool files (default 16: 4 GiB, so nothing is evicted)")
-    ap.add_argument("--repeats", type=int, default=5, help="runs of each scheduler (default 5; medians reported)")
-    ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--dir", default=tempfile.gettempdir(), help="where the temporary storage goes")
-    ap.add_argument("--json", help="write the results here")
+    add_common_args(ap, ROOT, 5, "scheduler")
     args = ap.parse_args(argv)
     profile = ModelProfile.from_dict(read_yaml(Path(args.profile))["model"])
     warm, measured = build_mix(args)
@@ -143,15 +124,8 @@ def main(argv=None) -> int:
                   f"{s['ttft_s']['mean']:.3f} s, hit rate {s['delivered_hit_rate']:.3f}, DRAM-lane wait p99 "
                   f"{s['dram_lane_wait_p99_s']:.3f} s, verify failures {s['verify_failures']}", flush=True)
 
-    def med(sched, *path):
-        vals = []
-        for r in runs:
-            if r["scheduler"] == sched:
-                v = r
-                for p in path:
-                    v = v[p]
-                vals.append(v)
-        return statistics.median(vals)
+    def med(name, *path):
+        return median_of(runs, "scheduler", name, *path)
 
     systems = {}
     for sched in ("fcfs", "mas"):
@@ -173,9 +147,7 @@ def main(argv=None) -> int:
         "runs": runs,
     }
     print(json.dumps({k: v for k, v in out.items() if k != "runs"}, indent=2))
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+    write_json(args.json, out)
     return 0
 
 

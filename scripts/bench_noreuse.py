@@ -23,21 +23,17 @@ import argparse
 import dataclasses
 import json
 import random
-import shutil
-import statistics
 import sys
-import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench_common import add_common_args, median_of, temp_system, write_json  # noqa: E402
 from flatcake.config import read_yaml  # noqa: E402
 from flatcake.replay.engine import EngineConfig, ModelProfile  # noqa: E402
 from flatcake.replay.keys import PageKeyer  # noqa: E402
-from flatcake.replay.serving import ServingConfig, ServingModel, serving_summary  # noqa: E402
-from flatcake.replay.systems import make_system  # noqa: E402
+from flatcake.replay.serving import ServingConfig, serve  # noqa: E402
 from flatcake.replay.traces import load_trace  # noqa: E402
 
 MOONCAKE = ROOT.parent / "shared" / "traces" / "mooncake" / "conversation_trace.jsonl"
@@ -59,36 +55,20 @@ def build_slice(args):
 
 def one_run(args, profile, name: str, reqs, base: Path) -> dict:
     keyer = PageKeyer(profile.page_size)
-    out = Path(tempfile.mkdtemp(prefix=f"noreuse-{name}-", dir=base))
     fc = {"ssd.file_bytes": FILE_BYTES, "ssd.max_files": max(1, (args.ssd_gib << 30) // FILE_BYTES)}
-    system = make_system(name, profile, args.host_pool_pages, out, fc)
-    try:
+    with temp_system(name, profile, args.host_pool_pages, base, fc, f"noreuse-{name}-") as system:
         ecfg = EngineConfig(hbm_pages=0, host_pool_pages=args.host_pool_pages)
-        model = ServingModel(system, profile, ecfg, ServingConfig(qps=args.qps))
-        keys = [keyer.keys(r) for r in reqs]
-        t0 = time.monotonic()
-        lives = model.run(reqs, keys)
-        s = serving_summary(lives, profile.page_size, time.monotonic() - t0, model.backup_skipped_pages)
-        s["counters"] = system.counters()
-        return s
-    finally:
-        system.close()
-        shutil.rmtree(out, ignore_errors=True)
+        return serve(system, profile, ecfg, ServingConfig(qps=args.qps), reqs, [keyer.keys(r) for r in reqs])
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--profile", default=str(ROOT / "configs" / "model-qwen2.5-0.5b.yaml"))
     ap.add_argument("--mooncake", default=str(MOONCAKE))
     ap.add_argument("--requests", type=int, default=150, help="requests in the slice (default 150)")
     ap.add_argument("--max-blocks", type=int, default=8, help="512-token blocks per prompt at most (default 8)")
     ap.add_argument("--qps", type=float, default=8.0, help="arrival rate (default 8/s)")
-    ap.add_argument("--host-pool-pages", type=int, default=1024)
     ap.add_argument("--ssd-gib", type=int, default=2, help="FlatCake SSD capacity (default 2 GiB)")
-    ap.add_argument("--repeats", type=int, default=3, help="runs of each system (default 3; medians reported)")
-    ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--dir", default=tempfile.gettempdir(), help="where the temporary storage goes")
-    ap.add_argument("--json", help="write the results here")
+    add_common_args(ap, ROOT, 3, "system")
     args = ap.parse_args(argv)
     profile = ModelProfile.from_dict(read_yaml(Path(args.profile))["model"])
     reqs = build_slice(args)
@@ -103,14 +83,7 @@ def main(argv=None) -> int:
                   f"{s['delivered_hit_rate']:.3f}, bytes written {c.get('ssd_write_bytes', 0) / 1e9:.2f} GB", flush=True)
 
     def med(name, *path):
-        vals = []
-        for r in runs:
-            if r["system"] == name:
-                v = r
-                for p in path:
-                    v = v[p]
-                vals.append(v)
-        return statistics.median(vals)
+        return median_of(runs, "system", name, *path)
 
     systems = {n: {"ttft_s": {k: med(n, "ttft_s", k) for k in ("mean", "p50", "p99")},
                    "queue_s_p99": med(n, "queue_s", "p99"), "delivered_hit_rate": med(n, "delivered_hit_rate"),
@@ -121,9 +94,7 @@ def main(argv=None) -> int:
                      "repeats": args.repeats, "profile": profile.name},
            "systems": systems, **{f"ttft_{k}_ratio": v for k, v in ratio.items()}, "runs": runs}
     print(json.dumps({k: v for k, v in out.items() if k != "runs"}, indent=2))
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+    write_json(args.json, out)
     return 0
 
 

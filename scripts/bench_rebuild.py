@@ -18,7 +18,6 @@ per byte). Each rebuild is repeated ``--repeats`` times; the median is reported.
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import statistics
 import sys
@@ -27,7 +26,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from bench_common import write_json  # noqa: E402
 from flatcake.adapter.host_pool import MHAHostPoolDouble  # noqa: E402
 from flatcake.config import STORAGE_BATCH_PAGES, load_config  # noqa: E402
 from flatcake.layout import KvPageLayout  # noqa: E402
@@ -122,9 +123,7 @@ def main(argv=None) -> int:
               f"{args.repeats}: {', '.join(f'{t:.3f}' for t in times)}); {pages / med:,.0f} pages/s", flush=True)
     out = {"capacity_bytes": args.files * (args.file_mib << 20), "page_bytes": 2 * LAYERS * HEADS * HEAD_DIM * 2 * args.page_size,
            "runs": runs, "command": " ".join([Path(sys.argv[0]).name] + (argv if argv is not None else sys.argv[1:]))}
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+    write_json(args.json, out)
     return 0
 
 

@@ -436,4 +436,16 @@ def serving_summary(lives: Sequence[Live], page_size: int, wall_s: float, backup
     }
 
 
-__all__ = ["Live", "ServingConfig", "ServingModel", "serving_summary"]
+def serve(system, profile: ModelProfile, engine: EngineConfig, cfg: ServingConfig,
+          reqs: Sequence[TraceRequest], keys: Sequence[Sequence[str]]) -> dict:
+    """Serve ``reqs`` on ``system`` with a fresh :class:`ServingModel`; returns
+    :func:`serving_summary` plus the system's cumulative I/O ``counters``."""
+    model = ServingModel(system, profile, engine, cfg)
+    t0 = time.monotonic()
+    lives = model.run(reqs, keys)
+    s = serving_summary(lives, profile.page_size, time.monotonic() - t0, model.backup_skipped_pages)
+    s["counters"] = system.counters()
+    return s
+
+
+__all__ = ["Live", "ServingConfig", "ServingModel", "serve", "serving_summary"]

@@ -14,13 +14,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from flatcake.replay.engine import EngineConfig, ModelProfile
 from flatcake.replay.keys import PageKeyer
-from flatcake.replay.serving import ServingConfig, ServingModel, serving_summary
+from flatcake.replay.serving import ServingConfig, serve
 from flatcake.replay.budget import check_disk_budget
 from flatcake.replay.systems import FIXED_SCHEDULER, STORAGE_DIRS, make_system
 from flatcake.replay.figures import FIGURES, plot_sweep
@@ -94,12 +93,8 @@ def run_sweep(fc_keys: dict, settings: dict[str, Any], profile: ModelProfile, ec
             system = make_system(name, profile, settings["host_pool_pages"], out, fc_keys,
                                  settings["file_extra"], settings["drop_page_cache"], settings["tiered_extra"])
             try:
-                model = ServingModel(system, profile, ecfg, ServingConfig(qps=qps, scheduler=sched,
-                                                                          ssd_restores=ssd_restores))
-                t0 = time.monotonic()
-                lives = model.run(reqs, keys)
-                s = serving_summary(lives, profile.page_size, time.monotonic() - t0, model.backup_skipped_pages)
-                s["counters"] = system.counters()
+                s = serve(system, profile, ecfg, ServingConfig(qps=qps, scheduler=sched, ssd_restores=ssd_restores),
+                          reqs, keys)
             finally:
                 system.close()
                 if not settings["keep_data"] and name in STORAGE_DIRS:

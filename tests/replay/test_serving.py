@@ -99,12 +99,17 @@ def test_a_timeout_admits_with_what_was_read_and_never_counts_a_page_twice(tmp_p
     assert r.written_pages == 201  # every page after the HBM hit recomputed and backed up (200 known + 1 new)
 
 
+def sweep(out, trace, systems, qps, scheduler="fcfs,mas"):
+    """``flatcake-replay --qps`` into ``out``; returns the runs of its summary.json."""
+    rc = main(["--trace", str(trace), "--systems", systems, "--out", str(out), "--qps", qps, "--scheduler", scheduler,
+               "--no-progress"])
+    assert rc == 0
+    return json.loads((out / "summary.json").read_text())["runs"]
+
+
 def test_cli_qps_sweep_writes_one_row_per_rate_scheduler_and_system(tmp_path, mooncake_path):
     out = tmp_path / "out"
-    rc = main(["--trace", str(mooncake_path), "--systems", "flatcake,file", "--out", str(out),
-               "--qps", "20,40", "--scheduler", "fcfs,mas", "--no-progress"])
-    assert rc == 0
-    runs = json.loads((out / "summary.json").read_text())["runs"]
+    runs = sweep(out, mooncake_path, "flatcake,file", "20,40")
     assert [(r["qps"], r["scheduler"], r["system"]) for r in runs] == [
         (q, s, n) for q in (20.0, 40.0) for s in ("fcfs", "mas") for n in ("flatcake", "file")]
     assert all(r["requests"] == 5 and r["verify_failures"] == 0 for r in runs)
@@ -137,10 +142,7 @@ def test_bad_serving_flags_exit_2_naming_the_flag(tmp_path, mooncake_path, capsy
 
 def test_flatcake_fcfs_runs_once_per_rate_under_fifo_beside_the_scheduler_sweep(tmp_path, mooncake_path):
     out = tmp_path / "out"
-    rc = main(["--trace", str(mooncake_path), "--systems", "flatcake,flatcake-fcfs,dram-only", "--out", str(out),
-               "--qps", "20", "--scheduler", "fcfs,mas", "--no-progress"])
-    assert rc == 0
-    runs = json.loads((out / "summary.json").read_text())["runs"]
+    runs = sweep(out, mooncake_path, "flatcake,flatcake-fcfs,dram-only", "20")
     assert [(r["scheduler"], r["system"]) for r in runs] == [
         ("fcfs", "flatcake"), ("fcfs", "dram-only"), ("mas", "flatcake"), ("mas", "dram-only"), ("fcfs", "flatcake-fcfs")]
     by = {(r["scheduler"], r["system"]): r for r in runs}
