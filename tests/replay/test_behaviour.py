@@ -70,3 +70,28 @@ def test_with_no_reuse_no_l3_makes_misses_slower_than_recompute(tmp_path, tiny_p
     assert summaries[system]["delivered_hit_rate"] == 0.0
     for stat in ("mean", "p99"):
         assert summaries[system]["ttft_s"][stat] < summaries["recompute"]["ttft_s"][stat] + slow / 2
+
+
+@pytest.mark.parametrize("system", ["flatcake", "tiered", "file"])
+def test_a_multi_turn_session_whose_hit_rate_rises_keeps_its_ttft(tmp_path, tiny_profile, system):
+    """Eight turns of one session, each adding 256 tokens to the context (7B-class compute): the
+    hit rate rises turn over turn and TTFT stays at the new tokens' prefill, not growing with the
+    context restored from L3."""
+    profile = dataclasses.replace(tiny_profile, params=7e9)
+    keyer = PageKeyer(profile.page_size)
+    sysm = make_system(system, profile, 256, tmp_path / system, FC)
+    try:
+        eng = Engine(sysm, profile, EngineConfig(hbm_pages=0, host_pool_pages=256, prefetch_threshold_tokens=0))
+        outs = []
+        for turn in range(1, 9):
+            r = req(float(turn), range(4 * turn), "weka:multi", tail=0)
+            outs.append(eng.run(keyer.keys(r), r.prompt_tokens))
+            if system == "tiered":
+                sysm.drain()
+    finally:
+        sysm.close()
+    hit = [o.l3_pages / o.pages for o in outs]
+    assert hit == sorted(hit) and hit[-1] == 28 / 32  # all but the 4 new pages, from turn 2 on
+    assert all(o.verify_failures == 0 and o.computed_pages == 4 for o in outs[1:])
+    later = [o.ttft_s for o in outs[1:]]
+    assert max(later) < 1.5 * min(later)  # 256 new tokens' prefill each turn; the restore is small beside it
