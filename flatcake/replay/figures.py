@@ -102,7 +102,10 @@ def plot_sweep(points: Sequence[dict[str, Any]], ideal_hit_rate: Optional[float]
         xs, ys = _series(points, label, lambda r: r["ssd_prefetch_s"]["p99"])
         if xs:
             ax.plot(xs, ys, ":x", label=f"{label} P99")
-    ax.legend(fontsize=7)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7)
+    else:
+        ax.text(0.5, 0.5, "no SSD restores in this run", ha="center", va="center", transform=ax.transAxes)
     fig.tight_layout()
     fig.savefig(out_dir / "ssd_prefetch_vs_qps.png", dpi=110)
     plt.close(fig)
