@@ -444,8 +444,24 @@ def serve(system, profile: ModelProfile, engine: EngineConfig, cfg: ServingConfi
     t0 = time.monotonic()
     lives = model.run(reqs, keys)
     s = serving_summary(lives, profile.page_size, time.monotonic() - t0, model.backup_skipped_pages)
+    s["turns_before_previous_answer"] = turns_before_previous_answer(reqs, lives)
     s["counters"] = system.counters()
     return s
 
 
-__all__ = ["Live", "ServingConfig", "ServingModel", "serve", "serving_summary"]
+def turns_before_previous_answer(reqs: Sequence[TraceRequest], lives: Sequence[Live]) -> int:
+    """Requests that arrived before the previous request of their conversation (same
+    ``session``: a WEKA conversation) had its first token — what a real chat cannot do, and what
+    scaling every arrival by ``native rate / qps`` produces at high rates (docs/results.md).
+    Always 0 for a Mooncake trace, whose requests carry no conversation (one session each)."""
+    last: dict[str, Live] = {}
+    n = 0
+    for q, r in sorted(zip(reqs, lives), key=lambda p: p[1].arrival):
+        prev = last.get(q.session)
+        if prev is not None and r.arrival < prev.t_first:
+            n += 1
+        last[q.session] = r
+    return n
+
+
+__all__ = ["Live", "ServingConfig", "ServingModel", "serve", "serving_summary", "turns_before_previous_answer"]

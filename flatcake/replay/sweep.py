@@ -148,6 +148,13 @@ def serving_markdown(result: dict[str, Any], figures: Sequence[str] = ()) -> str
                     f"{f(r['ssd_prefetch_s']['p99'])} | {f(r['dram_lane_wait_p99_s'])} | "
                     f"{r['declined_prefetch_tokens']:,} | {r['revoked_prefetch_tokens']:,} | "
                     f"{f(r['tokens_per_s'], ',.0f')} | {r['verify_failures']} |")
+    squeezed = [r for r in result["runs"] if r.get("turns_before_previous_answer")]
+    if squeezed:
+        worst = max(squeezed, key=lambda r: r["turns_before_previous_answer"])
+        rows += ["", f"Note: in {len(squeezed)} run(s) some turns arrived before the previous turn of their "
+                 f"conversation was answered (up to {worst['turns_before_previous_answer']} of {worst['requests']} "
+                 f"requests, at {worst['qps']:g} QPS): every arrival is scaled by native rate / QPS, turns inside "
+                 "a conversation included, which a real chat cannot do; their hits are lost (docs/results.md)."]
     if figures:
         rows += ["", "Figures: " + ", ".join(f"[{FIGURES[n]}]({n})" for n in figures)]
     return "\n".join(rows) + "\n"

@@ -150,3 +150,17 @@ def test_flatcake_fcfs_runs_once_per_rate_under_fifo_beside_the_scheduler_sweep(
     assert by[("fcfs", "flatcake-fcfs")]["delivered_hit_rate"] == pytest.approx(
         by[("mas", "flatcake")]["delivered_hit_rate"], abs=2 / 88)
     assert all(r["verify_failures"] == 0 for r in runs) and not any(out.glob("*-ssd"))
+
+
+def test_turns_arriving_before_the_previous_answer_are_counted(tmp_path, weka_path):
+    from flatcake.replay.serving import Live, turns_before_previous_answer
+
+    reqs = [req(0.0, [1], ns="weka:a"), req(0.1, [1, 2], ns="weka:a"), req(0.2, [9], ns="weka:b"),
+            req(5.0, [1, 2, 3], ns="weka:a")]
+    lives = [Live(i, (), 64, 1, q.arrival_s) for i, q in enumerate(reqs)]
+    for r, first in zip(lives, (1.0, 2.0, 0.5, 6.0)):
+        r.t_first = first
+    assert turns_before_previous_answer(reqs, lives) == 1  # a's 2nd turn came before a's 1st answer
+    runs = sweep(tmp_path / "w", weka_path, "flatcake", "1000", scheduler="mas")  # squeezed 1000-fold
+    assert runs[0]["turns_before_previous_answer"] >= 1
+    assert "some turns arrived before the previous turn" in (tmp_path / "w" / "summary.md").read_text()
