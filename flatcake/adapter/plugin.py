@@ -54,6 +54,7 @@ import threading
 import time
 from typing import Any, Callable, Optional
 
+from flatcake.errorlog import ErrorLog
 from flatcake.mas.lanes import LaneOp, MediumAwareLanes
 
 log = logging.getLogger("flatcake.plugin")
@@ -64,6 +65,7 @@ HOOK_TARGET = "sglang.srt.managers.cache_controller.HiCacheController.prefetch_i
 ENV_SWITCH = "FLATCAKE_PLUGIN"
 _OFF = ("0", "off", "false", "no")
 
+_errors = ErrorLog(log)  # failures: each kind logged once, all counted (flatcake.errorlog)
 _said: set[str] = set()
 _said_lock = threading.Lock()
 _ids = itertools.count()
@@ -95,8 +97,7 @@ def register() -> None:
     into SGLang's plugin loader for a disabled plugin; an SGLang without the hook registry
     raises ImportError, which SGLang's loader logs."""
     if not plugin_enabled():
-        _say_once("disabled", "flatcake plugin: disabled by %s; SGLang's prefetch I/O is untouched", ENV_SWITCH)
-        return
+        return  # nothing registered, nothing logged (SGLang configures logging after plugins load)
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     HookRegistry.register(HOOK_TARGET, prefetch_io_around, HookType.AROUND)
@@ -178,8 +179,7 @@ class PrefetchLanes:
                 except Exception as e:  # noqa: BLE001 - the thread must live: run it as SGLang would
                     with self._held_lock:
                         self._held.pop(id(operation), None)
-                    _say_once("submit-error", "flatcake plugin: could not queue a prefetch on the lanes "
-                              "(%s: %s); running it in place, FIFO", type(e).__name__, e)
+                    _errors("plugin queue (running it in place, FIFO)", e)
                     self.run_in_place(operation)
         finally:
             with self._held_lock:
@@ -196,8 +196,7 @@ class PrefetchLanes:
         try:
             self.controller._page_transfer(operation)
         except Exception as e:  # noqa: BLE001
-            _say_once("transfer-error", "flatcake plugin: a prefetch transfer raised %s: %s",
-                      type(e).__name__, e)
+            _errors("plugin prefetch transfer", e)
         finally:
             self.controller.prefetch_sync_queue.put(self.ack(operation))
 

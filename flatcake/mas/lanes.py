@@ -31,6 +31,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
+from flatcake.errorlog import ErrorLog
 from flatcake.gva.address import SSD_BOUNDARY
 from flatcake.mas.scheduler import MasRequest, MediumAwareScheduler
 
@@ -86,7 +87,7 @@ class Lanes:
     name = "base"
 
     def __init__(self):
-        self._errors: set[str] = set()
+        self.errors = ErrorLog(log)  # each (what, exception kind) logged once, all counted
 
     def submit(self, op: LaneOp) -> None:  # pragma: no cover - interface
         """Queue ``op``; returns at once."""
@@ -101,7 +102,7 @@ class Lanes:
         try:
             op.run()
         except Exception as e:  # noqa: BLE001 - a lane never dies and nothing waits forever
-            self._log_once(f"run:{type(e).__name__}", "flatcake lanes: a prefetch raised %s: %s", e)
+            self.errors("lanes prefetch", e)
         op.finished_s = time.monotonic()
 
     def _complete(self, op: LaneOp) -> None:
@@ -110,14 +111,9 @@ class Lanes:
             if op.on_done is not None:
                 op.on_done(op)
         except Exception as e:  # noqa: BLE001 - a lane never dies and nothing waits forever
-            self._log_once(f"on_done:{type(e).__name__}", "flatcake lanes: announcing a prefetch raised %s: %s", e)
+            self.errors("lanes announcement", e)
         finally:
             op._done.set()
-
-    def _log_once(self, kind: str, msg: str, e: Exception) -> None:
-        if kind not in self._errors:
-            self._errors.add(kind)
-            log.error(msg + " (further ones are not logged)", type(e).__name__, e)
 
 
 class FifoLanes(Lanes):

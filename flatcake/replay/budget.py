@@ -39,13 +39,16 @@ def margin_bytes(free: int) -> int:
     return max(1 << 30, free // 20)
 
 
-def ssd_capacity(fc_keys: Mapping[str, Any]) -> int:
-    """FlatCake's SSD pool bytes from its (flattened, dotted) configuration keys; a key not given
-    takes its default."""
+def _ssd(fc_keys: Mapping[str, Any], field: str) -> int:
+    """``ssd.<field>`` from FlatCake's (flattened, dotted) configuration keys, or its default."""
     from flatcake.config import SsdConfig
 
-    d = SsdConfig()
-    return int(fc_keys.get("ssd.max_files", d.max_files)) * int(fc_keys.get("ssd.file_bytes", d.file_bytes))
+    return int(fc_keys.get(f"ssd.{field}", getattr(SsdConfig(), field)))
+
+
+def ssd_capacity(fc_keys: Mapping[str, Any]) -> int:
+    """FlatCake's SSD pool bytes, ``ssd.max_files × ssd.file_bytes`` (defaults where not given)."""
+    return _ssd(fc_keys, "max_files") * _ssd(fc_keys, "file_bytes")
 
 
 def dram_capacity(fc_keys: Mapping[str, Any]) -> int:
@@ -78,7 +81,7 @@ def footprint(name: str, unique_bytes: int, fc_keys: Mapping[str, Any], file_ext
     if name == "tiered":
         return min(align_up(unique_bytes), ssd_capacity(fc_keys))
     if name in ("flatcake", "flatcake-fcfs"):
-        fb = ssd_capacity({**fc_keys, "ssd.max_files": 1})
+        fb = _ssd(fc_keys, "file_bytes")
         return min(-(-unique_bytes // fb) * fb, ssd_capacity(fc_keys))
     if name == "file":
         cap = file_max_size(file_extra_at_equal_capacity(fc_keys, file_extra))
@@ -120,5 +123,4 @@ def check_disk_budget(names: Sequence[str], unique_bytes: int, fc_keys: Mapping[
 
 
 __all__ = ["DiskBudgetError", "OVERRIDE_FLAG", "check_disk_budget", "dram_capacity", "file_extra_at_equal_capacity",
-           "file_max_size", "footprint",
-           "margin_bytes", "ssd_capacity"]
+           "file_max_size", "footprint", "margin_bytes", "ssd_capacity"]

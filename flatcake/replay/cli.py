@@ -34,7 +34,7 @@ from tqdm import tqdm
 
 from flatcake.align import ALIGN
 from flatcake.config import ConfigError, FlatCakeConfig, load_config, read_yaml
-from flatcake.replay.budget import DiskBudgetError, check_disk_budget
+from flatcake.replay.budget import DiskBudgetError, check_disk_budget, file_max_size
 from flatcake.replay.engine import Engine, EngineConfig, ModelProfile, RequestOutcome
 from flatcake.replay.keys import PageKeyer
 from flatcake.replay.report import markdown, plot_ttft_cdf, system_summary
@@ -177,12 +177,11 @@ def apply_scale(cfg: FlatCakeConfig, settings: dict, profile: ModelProfile, n: i
 
     settings["tiered_extra"] = {"bucket_bytes": DEFAULT_BUCKET_BYTES, "staging_bytes": DEFAULT_STAGING_BYTES,
                                 **dict(settings.get("tiered_extra") or {})}  # its defaults scale too
-    for key in ("file_extra", "tiered_extra"):
-        extra = dict(settings.get(key) or {})
-        for field in ("max_size", "bucket_bytes", "staging_bytes"):
-            if isinstance(extra.get(field), int) and extra[field]:
-                extra[field] = down(extra[field], f"{key}.{field}")
-        settings[key] = extra
+    file_extra = dict(settings.get("file_extra") or {})
+    if file_max_size(file_extra):  # an int or a size string ("2G"), parsed as HiCacheFile does
+        file_extra["max_size"] = down(file_max_size(file_extra), "file_extra.max_size")
+    settings["file_extra"] = file_extra
+    settings["tiered_extra"] = {k: down(v, f"tiered_extra.{k}") for k, v in settings["tiered_extra"].items()}
     return cfg, settings, profile
 
 

@@ -21,11 +21,9 @@ queueing: requests are served one after another, so TTFT is a per-request servic
 
 from __future__ import annotations
 
-import dataclasses
-
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
@@ -133,7 +131,7 @@ class ModelProfile:
         dim = getattr(self, field)
         if dim % n or dim // n < 1:
             raise ValueError(f"--scale: {n} must divide model.{field} ({dim})")
-        return dataclasses.replace(self, **{field: dim // n}, name=f"{self.name} (1/{n} scale)" if n > 1 else self.name)
+        return replace(self, **{field: dim // n}, name=f"{self.name} (1/{n} scale)" if n > 1 else self.name)
 
     def make_host_pool(self, pages: int):
         """A host-pool double of ``pages`` pages in this profile's layout."""
