@@ -4,7 +4,9 @@ prefetch I/O in FC-MAS lanes or in SGLang's single FIFO (paper §3.2).
 Many requests are in flight. Threads, as in SGLang's controller (``managers/cache_controller.py``)
 and scheduler::
 
-    arrivals      at each request's (rate-scaled) arrival time: HBM prefix match, then queue
+    arrivals      each request when due (:mod:`flatcake.replay.arrivals`: the rate sets when
+                  conversations start, a turn keeps its offset in its conversation and waits for
+                  the previous turn's last token): HBM prefix match, then queue
     hit queries   one thread, arrival order: batch_exists on the rest of the prompt; the pages
                   of the hit on each medium (``medium_summary``); host pages for the hit, or the
                   prefetch is declined (host pool full: the request recomputes those tokens)
@@ -31,6 +33,7 @@ finishes the request's prefill) − arrival, queueing included.
 
 from __future__ import annotations
 
+import heapq
 import queue
 import threading
 import time
@@ -42,6 +45,7 @@ import torch
 
 from flatcake.config import STORAGE_BATCH_PAGES
 from flatcake.mas.lanes import LaneOp, make_lanes
+from flatcake.replay.arrivals import conversation_schedule, offered_qps, turns_before_previous_answer
 from flatcake.replay.engine import EngineConfig, HbmCache, HostPages, ModelProfile, PageContent
 from flatcake.replay.traces import TraceRequest
 
@@ -51,7 +55,8 @@ class ServingConfig:
     """Knobs of the concurrent serving model (units: tokens, seconds, GB/s = 1e9 bytes/s).
 
     Attributes:
-        qps: arrival rate the trace is scaled to (requests per second).
+        qps: requests per second offered; conversations start at ``qps`` / (mean requests per
+            conversation), see :mod:`flatcake.replay.arrivals`.
         scheduler: ``"fcfs"`` (SGLang's FIFO prefetch I/O) or ``"mas"`` (FC-MAS lanes).
         ssd_restores: SSD restores at once in the ``mas`` lanes (FlatCake's ``cio.windows``).
         chunk_tokens: chunked-prefill tokens per GPU step (SGLang ``--chunked-prefill-size``).
@@ -165,6 +170,7 @@ class ServingModel:
         self._query_q: "queue.SimpleQueue[Optional[Live]]" = queue.SimpleQueue()
         self._verify_q: "queue.SimpleQueue[Optional[Live]]" = queue.SimpleQueue()
         self._backup_q: "queue.SimpleQueue[Optional[Live]]" = queue.SimpleQueue()
+        self._answered_q: "queue.SimpleQueue[int]" = queue.SimpleQueue()  # idx of each request done
         self.backup_skipped_pages = 0
 
     # ------------------------------------------------------------------ cost model
@@ -356,33 +362,20 @@ class ServingModel:
                 r.t_done = now
                 running.remove(r)
                 done += 1
+                self._answered_q.put(r.idx)  # releases the next turn of its conversation
 
     # ------------------------------------------------------------------ run
     def run(self, reqs: Sequence[TraceRequest], keys: Sequence[Sequence[str]]) -> list[Live]:
-        """Replay ``reqs`` (with page keys ``keys``) at ``cfg.qps``: arrival times are shifted
-        to start at 0 and scaled by ``native rate / qps``. Returns every request's record
-        once all are served, written back and verified."""
-        t_first = reqs[0].arrival_s if reqs else 0.0
-        span = (reqs[-1].arrival_s - t_first) if len(reqs) > 1 else 0.0
-        native = (len(reqs) - 1) / span if span > 0 else self.cfg.qps
-        scale = native / self.cfg.qps
+        """Replay ``reqs`` (with page keys ``keys``) at ``cfg.qps``, each request released as
+        :func:`~flatcake.replay.arrivals.conversation_schedule` says: when due, and not before
+        the previous request of its conversation has its last token. Returns every request's
+        record (in the order of ``reqs``) once all are served, written back and verified."""
         threads = [threading.Thread(target=f, name=f"fc-serve-{n}", daemon=True) for n, f in
                    (("query", self._query_loop), ("verify", self._verify_loop), ("backup", self._backup_loop))]
         gpu = threading.Thread(target=self._gpu_loop, args=(len(reqs),), name="fc-serve-gpu", daemon=True)
         for t in threads + [gpu]:
             t.start()
-        lives = []
-        t0 = time.monotonic()
-        for i, (q, ks) in enumerate(zip(reqs, keys)):
-            at = t0 + (q.arrival_s - t_first) * scale
-            time.sleep(max(0.0, at - time.monotonic()))
-            r = Live(i, ks, q.prompt_tokens, max(1, q.output_tokens), time.monotonic())
-            with self._hbm_lock:
-                r.hbm_pages = self.hbm.match_prefix(ks)
-            with self._cv:
-                self._waiting.append(r)
-            lives.append(r)
-            self._query_q.put(r)
+        lives = self._release(reqs, keys)
         gpu.join()
         self.lanes.close()
         for q in (self._query_q, self._verify_q, self._backup_q):
@@ -391,13 +384,50 @@ class ServingModel:
             t.join()
         return lives
 
+    def _release(self, reqs: Sequence[TraceRequest], keys: Sequence[Sequence[str]]) -> list[Live]:
+        """The arrivals (the calling thread): a request enters once due and, if it has a
+        previous turn, once that turn is answered (the GPU thread announces each answer)."""
+        sched = conversation_schedule(reqs, self.cfg.qps)
+        due = [(at, i) for i, (at, dep) in enumerate(sched) if dep is None]  # (due_s, idx) heap
+        heapq.heapify(due)
+        after = {dep: i for i, (_, dep) in enumerate(sched) if dep is not None}  # turn -> next turn
+        lives: list[Optional[Live]] = [None] * len(reqs)
+        t0 = time.monotonic()
+        released = 0
+        while released < len(reqs):
+            now = time.monotonic()
+            if due and t0 + due[0][0] <= now:
+                i = heapq.heappop(due)[1]
+                lives[i] = self._arrive(i, reqs[i], keys[i])
+                released += 1
+                continue
+            try:
+                j = self._answered_q.get(timeout=t0 + due[0][0] - now if due else None)
+            except queue.Empty:
+                continue
+            nxt = after.pop(j, None)
+            if nxt is not None:  # due at its own time, or now if that has passed
+                heapq.heappush(due, (max(sched[nxt][0], lives[j].t_done - t0), nxt))
+        return lives
+
+    def _arrive(self, i: int, q: TraceRequest, ks: Sequence[str]) -> Live:
+        r = Live(i, ks, q.prompt_tokens, max(1, q.output_tokens), time.monotonic())
+        with self._hbm_lock:
+            r.hbm_pages = self.hbm.match_prefix(ks)
+        with self._cv:
+            self._waiting.append(r)
+        self._query_q.put(r)
+        return r
+
 
 def serving_summary(lives: Sequence[Live], page_size: int, wall_s: float, backup_skipped_pages: int = 0) -> dict:
     """Per system and rate: delivered hit rate, hits by medium, TTFT, queueing, SSD prefetch
     latency, DRAM-lane wait, declined and revoked prefetch tokens, throughput (seconds, tokens).
     ``makespan_s`` is first arrival to last token; ``wall_s`` (given) also covers the write-backs
     still draining after it, so ``tokens_per_s`` (over the makespan) does not charge a system
-    for writing in the background. A statistic over no requests is ``None``."""
+    for writing in the background. ``offered_qps`` is the rate the run was really offered,
+    (requests − 1) / (last − first arrival) (:func:`~flatcake.replay.arrivals.offered_qps`;
+    ``None`` under two requests). A statistic over no requests is ``None``."""
 
     def stats(xs) -> dict:  # None when there is nothing to measure (not 0: no such requests)
         a = np.asarray(list(xs), dtype=np.float64)
@@ -415,6 +445,7 @@ def serving_summary(lives: Sequence[Live], page_size: int, wall_s: float, backup
     makespan_s = max(r.t_done for r in lives) - min(r.arrival for r in lives) if lives else 0.0
     return {
         "requests": len(lives),
+        "offered_qps": offered_qps([r.arrival for r in lives]),
         "delivered_hit_rate": (hbm + dram + ssd) / pages if pages else None,
         "hit_tokens": {"hbm": hbm * page_size, "dram": dram * page_size, "ssd": ssd * page_size},
         "ttft_s": stats(r.ttft_s for r in lives),
@@ -439,29 +470,16 @@ def serving_summary(lives: Sequence[Live], page_size: int, wall_s: float, backup
 def serve(system, profile: ModelProfile, engine: EngineConfig, cfg: ServingConfig,
           reqs: Sequence[TraceRequest], keys: Sequence[Sequence[str]]) -> dict:
     """Serve ``reqs`` on ``system`` with a fresh :class:`ServingModel`; returns
-    :func:`serving_summary` plus the system's cumulative I/O ``counters``."""
+    :func:`serving_summary` plus the configured ``qps`` (beside the measured ``offered_qps``),
+    ``turns_before_previous_answer`` and the system's cumulative I/O ``counters``."""
     model = ServingModel(system, profile, engine, cfg)
     t0 = time.monotonic()
     lives = model.run(reqs, keys)
     s = serving_summary(lives, profile.page_size, time.monotonic() - t0, model.backup_skipped_pages)
+    s["qps"] = cfg.qps
     s["turns_before_previous_answer"] = turns_before_previous_answer(reqs, lives)
     s["counters"] = system.counters()
     return s
-
-
-def turns_before_previous_answer(reqs: Sequence[TraceRequest], lives: Sequence[Live]) -> int:
-    """Requests that arrived before the previous request of their conversation (same
-    ``session``: a WEKA conversation) had its first token — what a real chat cannot do, and what
-    scaling every arrival by ``native rate / qps`` produces at high rates (docs/results.md).
-    Always 0 for a Mooncake trace, whose requests carry no conversation (one session each)."""
-    last: dict[str, Live] = {}
-    n = 0
-    for q, r in sorted(zip(reqs, lives), key=lambda p: p[1].arrival):
-        prev = last.get(q.session)
-        if prev is not None and r.arrival < prev.t_first:
-            n += 1
-        last[q.session] = r
-    return n
 
 
 __all__ = ["Live", "ServingConfig", "ServingModel", "serve", "serving_summary", "turns_before_previous_answer"]

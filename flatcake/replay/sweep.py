@@ -91,7 +91,8 @@ def run_sweep(fc_keys: dict, settings: dict[str, Any], profile: ModelProfile, ec
     for qps in rates:
         for sched, name in sweep_pairs(schedulers, settings["systems"]):
             system = make_system(name, profile, settings["host_pool_pages"], out, fc_keys,
-                                 settings["file_extra"], settings["drop_page_cache"], settings["tiered_extra"])
+                                 settings["file_extra"], settings["drop_page_cache"], settings["tiered_extra"],
+                                 mooncake_extra=settings.get("mooncake_extra"))
             try:
                 s = serve(system, profile, ecfg, ServingConfig(qps=qps, scheduler=sched, ssd_restores=ssd_restores),
                           reqs, keys)
@@ -105,6 +106,7 @@ def run_sweep(fc_keys: dict, settings: dict[str, Any], profile: ModelProfile, ec
     result = {"trace": os.path.normpath(str(settings["trace"])), "requests": len(reqs),
               "ideal_hit_rate": hits / total if total else None, "scale": settings.get("scale", 1),
               "timings_meaningful": settings.get("scale", 1) == 1,
+              "skipped_systems": dict(settings.get("skipped_systems", {})),
               "points": sweep_points(runs, multi_scheduler=len(schedulers) > 1), "runs": runs}
     (out / "summary.json").write_text(json.dumps(result, indent=2) + "\n")
     figures = plot_sweep(result["points"], result["ideal_hit_rate"], out) if settings.get("plot", True) else []
@@ -130,20 +132,22 @@ def read_amplification(run: dict, page_size: int, page_bytes: int) -> Optional[f
 
 
 def serving_markdown(result: dict[str, Any], figures: Sequence[str] = ()) -> str:
-    """One row per (rate, scheduler, system); "–" where nothing was measured (e.g. no SSD
-    restore at all); then links to ``figures``."""
-    head = ("| qps | scheduler | system | hit rate | TTFT mean (s) | TTFT p99 (s) | queue p99 (s) | "
+    """One row per (rate, scheduler, system), the configured ``qps`` beside the ``offered qps``
+    the run measured; "–" where nothing was measured (e.g. no SSD restore at all); then links
+    to ``figures``."""
+    head = ("| qps | scheduler | system | offered qps | hit rate | TTFT mean (s) | TTFT p99 (s) | queue p99 (s) | "
             "SSD prefetch p99 (s) | DRAM-lane wait p99 (s) | declined tok | revoked tok | tok/s | verify failures |")
     ideal = result.get("ideal_hit_rate")
     rows = [f"Trace `{result['trace']}`, {result['requests']} requests, ideal hit rate "
-            f"{'–' if ideal is None else format(ideal, '.2%')}.", "", head, "|" + "---|" * 13]
+            f"{'–' if ideal is None else format(ideal, '.2%')}.", "", head, "|" + "---|" * 14]
     if result.get("scale", 1) > 1:
         rows[1:1] = ["", scale_note(result["scale"])]
     def f(v, spec=".3f"):
         return "–" if v is None else format(v, spec)
 
     for r in result["runs"]:
-        rows.append(f"| {r['qps']:g} | {r['scheduler']} | {r['system']} | {f(r['delivered_hit_rate'], '.2%')} | "
+        rows.append(f"| {r['qps']:g} | {r['scheduler']} | {r['system']} | {f(r.get('offered_qps'), '.3g')} | "
+                    f"{f(r['delivered_hit_rate'], '.2%')} | "
                     f"{f(r['ttft_s']['mean'])} | {f(r['ttft_s']['p99'])} | {f(r['queue_s']['p99'])} | "
                     f"{f(r['ssd_prefetch_s']['p99'])} | {f(r['dram_lane_wait_p99_s'])} | "
                     f"{r['declined_prefetch_tokens']:,} | {r['revoked_prefetch_tokens']:,} | "
@@ -153,8 +157,8 @@ def serving_markdown(result: dict[str, Any], figures: Sequence[str] = ()) -> str
         worst = max(squeezed, key=lambda r: r["turns_before_previous_answer"])
         rows += ["", f"Note: in {len(squeezed)} run(s) some turns arrived before the previous turn of their "
                  f"conversation was answered (up to {worst['turns_before_previous_answer']} of {worst['requests']} "
-                 f"requests, at {worst['qps']:g} QPS): every arrival is scaled by native rate / QPS, turns inside "
-                 "a conversation included, which a real chat cannot do; their hits are lost (docs/results.md)."]
+                 f"requests, at {worst['qps']:g} QPS), which the arrival model should prevent (a turn waits for "
+                 "the previous turn's answer; flatcake/replay/arrivals.py): a bug to report."]
     if figures:
         rows += ["", "Figures: " + ", ".join(f"[{FIGURES[n]}]({n})" for n in figures)]
     return "\n".join(rows) + "\n"
