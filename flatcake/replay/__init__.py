@@ -9,6 +9,9 @@ Modules, in data-flow order:
 * :mod:`~flatcake.replay.engine`: model profile (KV geometry, prefill cost), HBM LRU prefix cache,
   host-pool free list, deterministic page bytes, and the per-request engine loop.
 * :mod:`~flatcake.replay.systems`: the backends under test, called as SGLang's controller calls them.
+* :mod:`~flatcake.replay.arrivals` and :mod:`~flatcake.replay.serving`: under load, when each
+  request arrives (the rate sets conversation starts; a turn waits for the previous answer) and
+  the concurrent serving model; :mod:`~flatcake.replay.sweep` runs it per rate and system.
 * :mod:`~flatcake.replay.report`: ``summary.json`` / ``summary.md`` / TTFT CDF.
 * :mod:`~flatcake.replay.cli`: ``flatcake-replay`` (also ``scripts/replay_trace.py``).
 
