@@ -11,6 +11,9 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
+from typing import Optional
+
+import torch
 
 from flatcake.replay.engine import ModelProfile
 from flatcake.replay.systems import COUNTER_KEYS, L3System
@@ -54,6 +57,9 @@ class DramOnlySystem(L3System):
     prefetch lanes as FlatCake's DRAM hits (one host copy a page), so the two DRAM tiers are
     compared on equal terms. No disk. Thread-safe.
 
+    Subclasses (``tiered``) reuse the LRU: :meth:`_on_evict` sees each page it evicts, and
+    :meth:`_where_locked` says where else a page may be.
+
     Args:
         capacity_bytes: DRAM bytes (FlatCake's ``dram.capacity_bytes`` in the replay).
     """
@@ -63,18 +69,39 @@ class DramOnlySystem(L3System):
     def __init__(self, profile: ModelProfile, pool, capacity_bytes: int):
         super().__init__(profile, pool, None)
         self.capacity_pages = max(0, int(capacity_bytes) // profile.page_bytes)
-        self._pages: "OrderedDict[str, object]" = OrderedDict()
+        self._pages: "OrderedDict[str, torch.Tensor]" = OrderedDict()  # key -> flat page, LRU first
         self._lock = threading.Lock()
         self._c = dict.fromkeys(COUNTER_KEYS, 0)
 
+    # ------------------------------------------------------------------ the LRU (under _lock)
+    def _insert_locked(self, key: str, page: torch.Tensor) -> None:
+        """Hold ``page`` as the most recently used; evict the least recently used pages beyond
+        capacity, each through :meth:`_on_evict`."""
+        self._pages[key] = page
+        self._pages.move_to_end(key)
+        while len(self._pages) > self.capacity_pages:
+            old, evicted = self._pages.popitem(last=False)
+            self._on_evict(old, evicted)
+
+    def _on_evict(self, key: str, page: torch.Tensor) -> None:
+        """Called under the lock for each page the LRU evicts, least recently used first:
+        here it is dropped; ``tiered`` demotes it to SSD."""
+
+    def _where_locked(self, key: str) -> Optional[str]:
+        """``"dram"`` (and refreshed) when the LRU holds ``key``, else ``None``."""
+        if key in self._pages:
+            self._pages.move_to_end(key)
+            return "dram"
+        return None
+
+    # ------------------------------------------------------------------ HiCache calls
     def exists(self, keys, prefix_keys):
         t0 = time.perf_counter()
         n = 0
         with self._lock:
             for k in keys:
-                if k not in self._pages:
+                if self._where_locked(k) is None:
                     break
-                self._pages.move_to_end(k)
                 n += 1
         self.last_call_s = time.perf_counter() - t0
         return n
@@ -98,12 +125,9 @@ class DramOnlySystem(L3System):
     def set(self, keys, host_indices, prefix_keys):
         t0, P = time.perf_counter(), self.page_size
         for i, k in enumerate(keys):
-            page = self.pool.get_data_page(int(host_indices[i * P]), flat=True).clone()
+            page = self.pool.get_data_page(int(host_indices[i * P]), flat=True).contiguous().clone()
             with self._lock:
-                self._pages[k] = page
-                self._pages.move_to_end(k)
-                while len(self._pages) > self.capacity_pages:
-                    self._pages.popitem(last=False)
+                self._insert_locked(k, page)
                 self._c["dram_write_bytes"] += self.profile.page_bytes
                 self._c["logical_write_bytes"] += self.profile.page_bytes
         self.last_call_s = time.perf_counter() - t0

@@ -2,6 +2,8 @@
 SSD buckets in eviction order, buckets are reclaimed FIFO, SSD hits are staged within a budget
 (revoked beyond it) and promoted back into DRAM. Every page read back is the page written."""
 
+import os
+
 import pytest
 from flatcake_testkit import fill_page, page_matches, slots_of
 
@@ -106,3 +108,38 @@ def test_a_read_beyond_the_staging_budget_is_revoked_from_its_first_ssd_page(tie
     assert t.counters()["staging_revoked_pages"] == 4 and t.counters()["ssd_read_ops"] == 0
     got, ok = read(t, pool, keys[:3])  # 3 SSD pages fit the budget
     assert got == (3, 0, 3) and all(ok)
+
+
+def bucket_fds(root):
+    """Targets of this process's open descriptors on ``root``'s bucket files (Linux /proc)."""
+    out = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith(str(root)):
+            out.append(target)
+    return sorted(out)
+
+
+def test_bucket_files_stay_open_only_while_filled_or_read_and_close_with_their_bucket(tiered):
+    t, pool = tiered(dram_pages=2, ssd_pages=32)  # 4 buckets of 8 pages
+    for s in range(6):  # 46 pages demoted: 5 full buckets, the 6th holds 6
+        write(t, pool, [f"s{s}-{i}" for i in range(8)], first_slot_page=8 * s)
+        assert t.drain()
+    assert bucket_fds(t.root) == [str(t.root / "00000005.bucket")]  # the bucket being filled
+    s4 = [f"s4-{i}" for i in range(8)]  # pages 32..39 of the demotion order: bucket 4
+    got, ok = read(t, pool, s4)
+    assert got == (8, 0, 8) and all(ok) and t.drain()  # promotions demote s5-6, s5-7: bucket 5 is full
+    assert bucket_fds(t.root) == [str(t.root / "00000004.bucket")]  # one read descriptor, kept
+    got, ok = read(t, pool, s4)  # again from SSD (each promotion evicts the next page), same descriptor
+    assert got == (8, 0, 8) and all(ok) and t.counters()["ssd_read_ops"] == 16
+    assert bucket_fds(t.root) == [str(t.root / "00000004.bucket")]
+    for s in range(6, 9):  # 3 more buckets: 2, 3 and 4 are reclaimed
+        write(t, pool, [f"s{s}-{i}" for i in range(8)], first_slot_page=8 * (s - 6))
+        assert t.drain()
+    assert t.exists(s4, []) == 0 and str(t.root / "00000004.bucket") not in bucket_fds(t.root)
+    assert all("(deleted)" not in f for f in bucket_fds(t.root)) and len(bucket_fds(t.root)) <= 1
+    t.close()
+    assert bucket_fds(t.root) == []
