@@ -60,6 +60,10 @@ class MHAHostPoolDouble(_HostPoolBase):
     def get_size_per_token(self):
         return (self.head_dim + self.v_head_dim) * self.head_num * self.layer_num * self.dtype.itemsize
 
+    def get_ksize_per_token(self):
+        """Bytes of K per token (half of :meth:`get_size_per_token`), as SGLang's MHA host pool."""
+        return self.get_size_per_token() // 2
+
     def get_data_page(self, index, flat: bool = True):
         if self.layout == "layer_first":
             p = self.kv_buffer[:, :, index : index + self.page_size, :, :]
@@ -129,6 +133,10 @@ class MLAHostPoolDouble(_HostPoolBase):
 
     def get_size_per_token(self):
         return self.kv_cache_dim * self.dtype.itemsize * self.layer_num
+
+    def get_ksize_per_token(self):
+        """Bytes per token (MLA has one latent buffer), as SGLang's MLA host pool."""
+        return self.get_size_per_token()
 
     def get_data_page(self, index, flat: bool = True):
         if self.layout == "layer_first":

@@ -8,7 +8,8 @@ estimates each system's on-disk footprint — at most every unique page of the r
 
 * ``flatcake`` (and ``flatcake-fcfs``): its SSD pool, ``ssd.max_files * ssd.file_bytes`` (files are preallocated whole,
   so the unique bytes are rounded up to whole files);
-* ``tiered``: the pages demoted to SSD, at most the same SSD capacity;
+* ``tiered``: the pages demoted to SSD, at most the same SSD capacity; ``mooncake`` likewise (its
+  offload buckets are capped at that capacity);
 * ``file``: HiCacheFile's ``max_size``: FlatCake's SSD capacity unless ``file_extra`` gives one
   (:func:`file_extra_at_equal_capacity`; ``0`` = unbounded);
 * ``dram-only`` and ``recompute``: nothing.
@@ -78,7 +79,7 @@ def file_extra_at_equal_capacity(fc_keys: Mapping[str, Any], file_extra: Mapping
 
 def footprint(name: str, unique_bytes: int, fc_keys: Mapping[str, Any], file_extra: Mapping[str, Any]) -> int:
     """Upper bound of the bytes system ``name`` keeps on disk (see the module docstring)."""
-    if name == "tiered":
+    if name in ("tiered", "mooncake"):
         return min(align_up(unique_bytes), ssd_capacity(fc_keys))
     if name in ("flatcake", "flatcake-fcfs"):
         fb = _ssd(fc_keys, "file_bytes")

@@ -63,6 +63,8 @@ HARNESS_DEFAULTS: dict[str, Any] = {
     "keep_data": False,
     "file_extra": {},  # HiCacheFile's extra config; max_size defaults to FlatCake's SSD capacity
     "tiered_extra": {},  # tiered baseline: bucket_bytes, staging_bytes (docs/baselines.md)
+    "mooncake_extra": {},
+    "think_time_scale": 1.0,  # --qps: factor on the gaps between a conversation's turns  # mooncake: lease_ttl_ms, bucket_bytes, staging_bytes, ... (docs/baselines.md)
     "disk_budget": True,  # refuse a run that would not fit on the output's file system
     "plot": True,  # write ttft_cdf.png (matplotlib)
 }
@@ -121,7 +123,7 @@ def replay_settings(cfg: FlatCakeConfig, args: argparse.Namespace, config_dir: P
             raise ConfigError("--systems: name at least one system")
     if isinstance(s["systems"], str):
         s["systems"] = [x.strip() for x in s["systems"].split(",") if x.strip()]
-    for flag in ("max_requests", "out", "sessions", "hbm_pages"):
+    for flag in ("max_requests", "out", "sessions", "hbm_pages", "think_time_scale"):
         v = getattr(args, flag)
         if v is not None:
             s[flag] = v
@@ -132,6 +134,8 @@ def replay_settings(cfg: FlatCakeConfig, args: argparse.Namespace, config_dir: P
     for key in ("max_requests", "sessions"):
         if s.get(key) is not None and s[key] < 1:
             raise ConfigError(f"replay.{key}: must be at least 1 (got {s[key]})")
+    if float(s["think_time_scale"]) < 0:
+        raise ConfigError(f"replay.think_time_scale: must be >= 0 (got {s['think_time_scale']})")
     if s.get("hbm_pages") is not None and s["hbm_pages"] < 0:
         raise ConfigError(f"replay.hbm_pages: must be >= 0 (got {s['hbm_pages']})")
     bad = [x for x in s["systems"] if x not in SYSTEMS]
@@ -150,7 +154,8 @@ def replay_settings(cfg: FlatCakeConfig, args: argparse.Namespace, config_dir: P
 def apply_scale(cfg: FlatCakeConfig, settings: dict, profile: ModelProfile, n: int):
     """``--scale N``: page bytes (:meth:`ModelProfile.scaled`) and every capacity divided by
     ``n`` — ``dram.capacity_bytes``, ``ssd.file_bytes`` (rounded down to 4 KiB; ``max_files``
-    kept), ``cio.staging_bytes`` when set, and the byte sizes in ``file_extra``/``tiered_extra``
+    kept), ``cio.staging_bytes`` when set, and the byte sizes in ``file_extra``/``tiered_extra``/
+    ``mooncake_extra``
     — so pages per medium, and with them hit rates, placement and reclaim, are as at full size.
     Page counts (HBM, host pool) and token thresholds are unchanged. Returns ``(cfg, settings,
     profile)``; ``settings["scale"]`` records ``n``.
@@ -182,6 +187,10 @@ def apply_scale(cfg: FlatCakeConfig, settings: dict, profile: ModelProfile, n: i
         file_extra["max_size"] = down(file_max_size(file_extra), "file_extra.max_size")
     settings["file_extra"] = file_extra
     settings["tiered_extra"] = {k: down(v, f"tiered_extra.{k}") for k, v in settings["tiered_extra"].items()}
+    from flatcake.replay.mooncake import DEFAULTS as MOONCAKE_DEFAULTS
+
+    mc = {**MOONCAKE_DEFAULTS, **dict(settings.get("mooncake_extra") or {})}
+    settings["mooncake_extra"] = {**mc, **{k: down(mc[k], f"mooncake_extra.{k}") for k in ("bucket_bytes", "staging_bytes")}}
     return cfg, settings, profile
 
 
@@ -282,7 +291,8 @@ def run_replay(cfg: FlatCakeConfig, settings: dict[str, Any], profile: ModelProf
     out.mkdir(parents=True, exist_ok=True)  # only once the trace has been read and the run fits
     systems = {
         n: make_system(n, profile, settings["host_pool_pages"], out, fc_keys, settings["file_extra"],
-                       settings["drop_page_cache"], settings["tiered_extra"])
+                       settings["drop_page_cache"], settings["tiered_extra"],
+                       mooncake_extra=settings.get("mooncake_extra"))
         for n in names
     }
     try:
@@ -305,6 +315,7 @@ def run_replay(cfg: FlatCakeConfig, settings: dict[str, Any], profile: ModelProf
         "trace_load_s": load_s,
         "scale": settings.get("scale", 1),
         "timings_meaningful": settings.get("scale", 1) == 1,
+        "skipped_systems": dict(settings.get("skipped_systems", {})),
         "systems": {},
     }
     for n in names:
@@ -344,8 +355,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--scale", type=int, default=1,
                    help="divide page bytes and every capacity by N (hit rates, placement and reclaim as at full "
                         "size; timings not meaningful)")
-    p.add_argument("--qps", help="serve under load at these arrival rates (req/s, comma-separated): "
-                   "the concurrent serving model, outputs summary.json, summary.md and figures")
+    p.add_argument("--qps", help="serve under load at these offered rates (req/s, comma-separated; conversations "
+                   "start at R / mean requests per conversation): the concurrent serving model, outputs "
+                   "summary.json, summary.md and figures")
+    p.add_argument("--think-time-scale", type=float,
+                   help="with --qps: factor on the gaps between a conversation's turns (default 1: the trace's own)")
     p.add_argument("--scheduler", help="with --qps: prefetch I/O order, fcfs | mas | fcfs,mas (default: the config's mas.scheduler)")
     p.add_argument("--ssd-restores", type=int, help="with --qps: concurrent SSD restores in the mas lanes "
                    "(default: the config's cio.windows)")
@@ -365,6 +379,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except (ConfigError, ValueError, FileNotFoundError) as e:
         print(f"flatcake-replay: {e}", file=sys.stderr)
         return 2
+    if "mooncake" in settings["systems"]:
+        rc = _mooncake_namespace(settings, sys.argv[1:] if argv is None else list(argv))
+        if rc is not None:
+            return rc
     try:  # serving flags are checked even without --qps: a typo never passes silently
         scheds = parse_schedulers(cfg.mas.scheduler if args.scheduler is None else args.scheduler)
         rates = parse_rates(args.qps) if args.qps is not None else None
@@ -395,6 +413,26 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(f"wrote {Path(settings['out']) / 'summary.json'} in {time.perf_counter() - t0:.1f} s")
     bad = sum(s["verify_failures"] for s in summary["systems"].values())
     return 1 if bad else 0
+
+
+def _mooncake_namespace(settings: dict, argv: list) -> Optional[int]:
+    """The ``mooncake`` system runs only inside a network namespace (its listeners bind all
+    addresses): outside one, run this replay again inside a new one and return its exit status;
+    where that cannot be done, drop the system, record why in ``settings["skipped_systems"]``
+    and return None (the replay goes on without it)."""
+    from flatcake.replay import mooncake
+
+    reason = mooncake.unavailable_reason()
+    if reason is None and not os.environ.get(mooncake.NETNS_ENV):
+        try:
+            return mooncake.run_in_namespace(argv)
+        except RuntimeError as e:
+            reason = str(e)
+    if reason is not None:
+        print(f"flatcake-replay: skipping system mooncake: {reason}", file=sys.stderr)
+        settings["systems"] = [n for n in settings["systems"] if n != "mooncake"]
+        settings["skipped_systems"] = {**settings.get("skipped_systems", {}), "mooncake": reason}
+    return None
 
 
 def _serve(cfg: FlatCakeConfig, settings: dict, profile: ModelProfile, rates: list, scheds: list, restores: int,

@@ -153,6 +153,7 @@ def markdown(summary: Mapping[str, Any]) -> str:
         f"per {m.get('page_size')}-token page); HBM {summary.get('engine', {}).get('hbm_pages')} pages",
         "- TTFT = measured storage time (L3 hit query + reads) + modelled host→HBM load + modelled "
         "prefill compute (no GPU here); requests are served one at a time (no queueing).",
+        *[f"- system {n} skipped: {why}" for n, why in summary.get("skipped_systems", {}).items()],
         "",
         "| metric | " + " | ".join(names) + " |",
         "|---|" + "---:|" * len(names),

@@ -94,7 +94,8 @@ def run_sweep(fc_keys: dict, settings: dict[str, Any], profile: ModelProfile, ec
                                  settings["file_extra"], settings["drop_page_cache"], settings["tiered_extra"],
                                  mooncake_extra=settings.get("mooncake_extra"))
             try:
-                s = serve(system, profile, ecfg, ServingConfig(qps=qps, scheduler=sched, ssd_restores=ssd_restores),
+                s = serve(system, profile, ecfg, ServingConfig(qps=qps, scheduler=sched, ssd_restores=ssd_restores,
+                                                            think_time_scale=settings["think_time_scale"]),
                           reqs, keys)
             finally:
                 system.close()

@@ -83,7 +83,8 @@ def unwrap_failure_injector(backend):
     return backend
 
 
-def _extra_info(prefix_keys):
+def extra_info(prefix_keys):
+    """SGLang's ``HiCacheStorageExtraInfo`` carrying ``prefix_keys`` (the page keys before a call's)."""
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo
 
     return HiCacheStorageExtraInfo(prefix_keys=list(prefix_keys))
@@ -139,7 +140,7 @@ class L3System:
 
     def exists(self, keys: list[str], prefix_keys: list[str]) -> int:
         """``batch_exists(keys, extra_info(prefix_keys))``: leading run of present pages."""
-        info = _extra_info(prefix_keys)
+        info = extra_info(prefix_keys)
         t0 = time.perf_counter()
         try:
             n = int(self.backend.batch_exists(keys, info) or 0)
@@ -320,7 +321,7 @@ class FlatCakeSystem(L3System):
 
     def get(self, keys, host_indices, prefix_keys):
         before = self._snap()
-        info = _extra_info(prefix_keys)
+        info = extra_info(prefix_keys)
         t0 = time.perf_counter()
         failed = False
         try:
@@ -340,7 +341,7 @@ class FlatCakeSystem(L3System):
         return count, dram, count - dram
 
     def set(self, keys, host_indices, prefix_keys):
-        info = _extra_info(prefix_keys)
+        info = extra_info(prefix_keys)
         t0 = time.perf_counter()
         try:
             ok = all(self.backend.batch_set_v1(keys, host_indices, info) or [False])
@@ -358,10 +359,10 @@ class FlatCakeSystem(L3System):
         return self._snap()
 
 
-SYSTEMS = ("flatcake", "flatcake-fcfs", "tiered", "file", "dram-only", "recompute")
+SYSTEMS = ("flatcake", "flatcake-fcfs", "tiered", "mooncake", "file", "dram-only", "recompute")
 #: Each system's storage directory under the run's output directory (the others have none).
 STORAGE_DIRS = {"flatcake": "flatcake-ssd", "flatcake-fcfs": "flatcake-fcfs-ssd", "tiered": "tiered-ssd",
-                "file": "hicache-file"}
+                "mooncake": "mooncake-ssd", "file": "hicache-file"}
 #: Systems that fix the prefetch-I/O order under load (``flatcake-fcfs``: FlatCake with FC-MAS
 #: off, SGLang's FIFO); they run only in the serving model (``--qps``).
 FIXED_SCHEDULER = {"flatcake-fcfs": "fcfs"}
@@ -369,10 +370,12 @@ FIXED_SCHEDULER = {"flatcake-fcfs": "fcfs"}
 
 def make_system(name: str, profile: ModelProfile, host_pool_pages: int, out_dir: Path,
                 flatcake_keys: Mapping[str, Any], file_extra: Optional[Mapping[str, Any]] = None,
-                drop_page_cache: bool = True, tiered_extra: Optional[Mapping[str, Any]] = None) -> L3System:
+                drop_page_cache: bool = True, tiered_extra: Optional[Mapping[str, Any]] = None,
+                mooncake_extra: Optional[Mapping[str, Any]] = None) -> L3System:
     """Create system ``name`` with a fresh host pool and an empty storage directory
     ``out_dir/STORAGE_DIRS[name]`` (an old one is removed first; ``dram-only`` and ``recompute``
-    have none)."""
+    have none). ``mooncake`` runs only inside the replay's network namespace
+    (:mod:`flatcake.replay.mooncake`)."""
     pool = profile.make_host_pool(host_pool_pages)
     if name in ("dram-only", "recompute"):
         from flatcake.replay.baselines import DramOnlySystem, RecomputeSystem
@@ -387,6 +390,13 @@ def make_system(name: str, profile: ModelProfile, host_pool_pages: int, out_dir:
         shutil.rmtree(root, ignore_errors=True)
         return TieredSystem(profile, pool, root, dram_capacity(flatcake_keys), ssd_capacity(flatcake_keys),
                             tiered_extra)
+    if name == "mooncake":
+        from flatcake.replay.mooncake import MooncakeSystem
+
+        root = Path(out_dir) / STORAGE_DIRS["mooncake"]
+        shutil.rmtree(root, ignore_errors=True)
+        return MooncakeSystem(profile, pool, root, dram_capacity(flatcake_keys), ssd_capacity(flatcake_keys),
+                              mooncake_extra)
     if name == "file":
         root = Path(out_dir) / STORAGE_DIRS["file"]
         shutil.rmtree(root, ignore_errors=True)
