@@ -13,8 +13,11 @@ conversations and ``R`` = ``qps`` (requests per second offered):
   conversations offer ``R`` requests per second in the long run. With one request per
   conversation (``C = N``, Mooncake) this is exactly the old model: every arrival scaled by
   ``((N − 1) / span) / R``. With one conversation, or all starting together, nothing is scaled;
-* a request of conversation ``c`` is due at ``scale × (s_c − min s) + (arrival − s_c)``: its own
-  offset from the conversation's start, unscaled;
+* a request of conversation ``c`` is due at ``scale × (s_c − min s) + think × (arrival − s_c)``:
+  its own offset from the conversation's start, unscaled by the rate. ``think`` (the replay's
+  ``think_time_scale``, default 1) compresses the users' think time between turns: a WEKA slice
+  has turns a median 13 s apart and conversations up to ~500 s long, so with ``think`` = 1 a
+  small slice is offered about the same load at any rate (its length bounds the run);
 * and it is released no earlier than the previous request of its conversation is answered
   (its last token): ``max(due, previous answer)``. The serving model does the waiting
   (:meth:`flatcake.replay.serving.ServingModel.run`); this module only computes the schedule.
@@ -31,7 +34,8 @@ from typing import Optional, Sequence
 from flatcake.replay.traces import TraceRequest
 
 
-def conversation_schedule(reqs: Sequence[TraceRequest], qps: float) -> list[tuple[float, Optional[int]]]:
+def conversation_schedule(reqs: Sequence[TraceRequest], qps: float,
+                          think_time_scale: float = 1.0) -> list[tuple[float, Optional[int]]]:
     """When each request is due, and which request it waits for.
 
     Args:
@@ -39,6 +43,9 @@ def conversation_schedule(reqs: Sequence[TraceRequest], qps: float) -> list[tupl
             ``arrival_s`` in seconds.
         qps: requests per second offered (see the module docstring for how it sets the
             conversations' starts).
+        think_time_scale: factor on each request's offset from its conversation's start (1.0:
+            the trace's own spacing; 0.05 compresses a 13 s gap between turns to 0.65 s). A
+            turn still waits for the previous answer.
 
     Returns:
         Per request, ``(due_s, depends_on)``: ``due_s`` seconds after the replay starts (the first
@@ -47,10 +54,12 @@ def conversation_schedule(reqs: Sequence[TraceRequest], qps: float) -> list[tupl
         ``None`` for a conversation's first request.
 
     Raises:
-        ValueError: ``qps`` <= 0.
+        ValueError: ``qps`` <= 0 or ``think_time_scale`` < 0.
     """
     if qps <= 0:
         raise ValueError(f"qps must be > 0 (got {qps})")
+    if think_time_scale < 0:
+        raise ValueError(f"think_time_scale must be >= 0 (got {think_time_scale})")
     starts: dict[str, float] = {}
     last: dict[str, int] = {}
     deps: list[Optional[int]] = []
@@ -68,7 +77,7 @@ def conversation_schedule(reqs: Sequence[TraceRequest], qps: float) -> list[tupl
     out = []
     for q, dep in zip(reqs, deps):
         s = starts[q.session]
-        out.append(((s - first) * scale + (q.arrival_s - s), dep))
+        out.append(((s - first) * scale + (q.arrival_s - s) * think_time_scale, dep))
     return out
 
 

@@ -64,6 +64,8 @@ class ServingConfig:
         max_output_tokens: decode tokens per request at most (bounds the run time).
         step_overhead_s: fixed cost of one GPU step (launches, sampling, scheduling).
         hbm_gbps: HBM bandwidth for the decode cost (weights + KV read per step).
+        think_time_scale: factor on the gaps between a conversation's turns
+            (:func:`~flatcake.replay.arrivals.conversation_schedule`).
     """
 
     qps: float
@@ -73,6 +75,7 @@ class ServingConfig:
     max_running: int = 64
     max_output_tokens: int = 64
     step_overhead_s: float = 0.005
+    think_time_scale: float = 1.0
     hbm_gbps: float = 4800.0
 
 
@@ -387,7 +390,7 @@ class ServingModel:
     def _release(self, reqs: Sequence[TraceRequest], keys: Sequence[Sequence[str]]) -> list[Live]:
         """The arrivals (the calling thread): a request enters once due and, if it has a
         previous turn, once that turn is answered (the GPU thread announces each answer)."""
-        sched = conversation_schedule(reqs, self.cfg.qps)
+        sched = conversation_schedule(reqs, self.cfg.qps, self.cfg.think_time_scale)
         due = [(at, i) for i, (at, dep) in enumerate(sched) if dep is None]  # (due_s, idx) heap
         heapq.heapify(due)
         after = {dep: i for i, (_, dep) in enumerate(sched) if dep is not None}  # turn -> next turn
