@@ -30,6 +30,9 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q --no-deps -e .
 	# the sglang-controller extra (SGLang's controller imports), again without dependency trees
 	$(PIP) install -q --no-deps $$($(VPY) -c 'import tomllib; print(" ".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["sglang-controller"]))')
+	# the replay's `mooncake` system: the Mooncake Store's CPU wheel, and libibverbs1 which it loads
+	$(PIP) install -q --no-deps $$($(VPY) -c 'import tomllib; print(" ".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["mooncake"]))')
+	./scripts/setup_ibverbs.sh
 	touch $(STAMP)
 
 demo: venv

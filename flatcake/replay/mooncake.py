@@ -313,6 +313,7 @@ class MooncakeSystem(L3System):
         inner = self.inner
         self._suffix = f"{inner.mla_suffix}" if inner.is_mla_backend else f"{inner.mha_suffix}"
         self._objects_per_page = 1 if inner.is_mla_backend else 2
+        self._media_failed = False
 
     def _object_key(self, key: str) -> str:
         # SGLang's MooncakeStore names a page's K object <config_prefix>_<key>_<suffix>_k
@@ -326,6 +327,9 @@ class MooncakeSystem(L3System):
         try:
             desc = self.inner.store.batch_get_replica_desc([self._object_key(k) for k in keys])
         except Exception:  # bookkeeping only: unknown media count as SSD
+            if not self._media_failed:
+                self._media_failed = True
+                log.exception("mooncake: batch_get_replica_desc failed; hits are counted as SSD hits")
             return ("ssd",) * len(keys)
         out = []
         for k in keys:

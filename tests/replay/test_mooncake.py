@@ -1,0 +1,100 @@
+"""The ``mooncake`` system: SGLang's MooncakeStore on the real Mooncake Store (CPU wheel), run by
+the replay inside its own network namespace. The end-to-end tests need the wheel, libibverbs1,
+root and iproute2 (``make venv`` and CI provide them) and skip naming what is missing."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+import yaml
+
+from flatcake.replay import mooncake
+from flatcake.replay.cli import main
+
+from replay_fixtures import mooncake_path  # noqa: F401
+
+PAGE = 64  # tokens per page of the profiles below
+
+
+def _config(tmp_path, head_dim: int, kv_heads: int = 1, replay: dict | None = None) -> str:
+    cfg = {"dram": {"capacity_bytes": 1 << 20}, "ssd": {"file_bytes": 4 << 20, "max_files": 32},
+           "model": {"name": "tiny/mha", "attention": "mha", "layers": 2, "kv_heads": kv_heads, "head_dim": head_dim,
+                     "page_size": PAGE, "params": 1e6, "q_heads": 2, "q_head_dim": 32},
+           "replay": {"hbm_pages": 0, "prefetch_threshold_tokens": 0, **(replay or {})}}
+    path = tmp_path / "mc.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return str(path)
+
+
+def _leftovers() -> tuple[list, list]:
+    ns = [line.split()[0] for line in subprocess.run(["ip", "netns", "list"], capture_output=True,
+                                                     text=True).stdout.splitlines() if line.startswith("fc-replay-")]
+    masters = subprocess.run(["pgrep", "-f", "mooncake_master"], capture_output=True, text=True).stdout.split()
+    return ns, masters
+
+
+needs_mooncake = pytest.mark.skipif(mooncake.unavailable_reason() is not None,
+                                    reason=f"mooncake system unavailable: {mooncake.unavailable_reason()}")
+
+
+def test_without_root_the_reason_says_so(monkeypatch):
+    if mooncake.unavailable_reason() is not None and "wheel" in mooncake.unavailable_reason():
+        pytest.skip(mooncake.unavailable_reason())
+    monkeypatch.delenv(mooncake.NETNS_ENV, raising=False)
+    monkeypatch.setattr(mooncake.os, "geteuid", lambda: 1000)
+    assert "needs root" in mooncake.unavailable_reason()
+
+
+def test_an_unavailable_mooncake_is_skipped_with_its_reason(tmp_path, mooncake_path, monkeypatch, capsys):
+    monkeypatch.setattr(mooncake, "unavailable_reason", lambda: "no namespaces on this machine")
+    out = tmp_path / "o"
+    rc = main(["--trace", str(mooncake_path), "--config", _config(tmp_path, 32), "--systems", "flatcake,mooncake",
+               "--out", str(out), "--no-progress"])
+    assert rc == 0
+    s = json.loads((out / "summary.json").read_text())
+    assert list(s["systems"]) == ["flatcake"]
+    assert s["skipped_systems"] == {"mooncake": "no namespaces on this machine"}
+    assert "system mooncake skipped: no namespaces on this machine" in (out / "summary.md").read_text()
+    assert "skipping system mooncake: no namespaces on this machine" in capsys.readouterr().err
+
+
+def test_the_store_outside_a_namespace_is_refused(tmp_path, monkeypatch):
+    monkeypatch.delenv(mooncake.NETNS_ENV, raising=False)
+    with pytest.raises(RuntimeError, match="network namespace"):
+        mooncake.MooncakeSystem(None, None, tmp_path, 1 << 20, 1 << 20)
+
+
+@needs_mooncake
+def test_mooncake_serves_the_same_hits_as_flatcake_bit_exact_and_leaves_nothing(tmp_path, mooncake_path):
+    out = tmp_path / "o"
+    rc = main(["--trace", str(mooncake_path), "--config", _config(tmp_path, 32), "--systems", "flatcake,mooncake",
+               "--out", str(out), "--no-progress"])
+    assert rc == 0
+    s = json.loads((out / "summary.json").read_text())
+    fc, mc = s["systems"]["flatcake"], s["systems"]["mooncake"]
+    # 16 KiB pages: everything fits the 16 MiB DRAM segment; every reuse is a Mooncake DRAM hit
+    assert mc["hit_tokens"]["dram"] == fc["hit_tokens"]["dram"] + fc["hit_tokens"]["ssd"] == 48 * PAGE
+    assert mc["hit_tokens"]["ssd"] == 0 and mc["verify_failures"] == 0 and mc["backend_errors"] == 0
+    assert mc["written_pages"] == fc["written_pages"] > 0
+    assert not (out / mooncake.STORAGE_DIR).exists() if hasattr(mooncake, "STORAGE_DIR") else True
+    assert not (out / "mooncake-ssd").exists()
+    assert _leftovers() == ([], [])
+
+
+@needs_mooncake
+def test_past_its_dram_segment_mooncake_offloads_and_reads_back_from_ssd(tmp_path, mooncake_path):
+    # 512 KiB pages: the ~40 written pages (20 MiB) exceed the 16 MiB DRAM segment; 1 MiB buckets
+    # (the default 256 MB bucket would wait for more pages); served at 1 req/s so the client's
+    # 1 s offload heartbeat runs during the replay
+    out = tmp_path / "o"
+    cfg = _config(tmp_path, 128, kv_heads=8, replay={"mooncake_extra": {"bucket_bytes": 1 << 20}})
+    rc = main(["--trace", str(mooncake_path), "--config", cfg, "--systems", "mooncake", "--qps", "1",
+               "--out", str(out), "--no-progress"])
+    assert rc == 0
+    mc = json.loads((out / "summary.json").read_text())["runs"][0]
+    assert mc["verify_failures"] == 0
+    assert mc["counters"]["ssd_write_bytes"] > 0  # evicted pages went to bucket files
+    assert mc["delivered_hit_rate"] > 0
+    assert _leftovers() == ([], [])
