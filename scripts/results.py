@@ -35,9 +35,9 @@ THINK = ["--think-time-scale", "0.05"]
 SLICES = {  # name -> (trace, flatcake-replay flags); quick and full sets
     "quick": {
         "mooncake": (TRACES / "mooncake" / "conversation_trace.jsonl",
-                     ["--max-requests", "160", "--qps", "8,16", "--scale", "16"]),
+                     ["--max-requests", "80", "--qps", "8,16", "--scale", "16"]),
         "weka": (TRACES / "weka_kv_cache_tester" / "kv_cache_tester_traces_710.tar.xz",
-                 ["--sessions", "6", "--max-requests", "40", "--qps", "2,4", "--scale", "8", *THINK]),
+                 ["--sessions", "6", "--max-requests", "32", "--qps", "2,4", "--scale", "8", *THINK]),
     },
     "full": {
         "mooncake": (TRACES / "mooncake" / "conversation_trace.jsonl",
