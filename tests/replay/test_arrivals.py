@@ -38,6 +38,17 @@ def test_a_conversation_keeps_its_turn_gaps_at_any_rate(qps):
     assert due[3] - due[1] == pytest.approx(10.5)
 
 
+def test_think_time_scale_compresses_only_the_gaps_inside_a_conversation():
+    reqs = [req(0.0, "a"), req(60.0, "b"), req(64.0, "a"), req(70.5, "b"), req(73.0, "a")]
+    full, fast = conversation_schedule(reqs, 1.0), conversation_schedule(reqs, 1.0, think_time_scale=0.05)
+    assert [d for _, d in fast] == [d for _, d in full]
+    assert fast[0][0] == full[0][0] == 0.0 and fast[1][0] == pytest.approx(full[1][0])  # starts unchanged
+    assert fast[2][0] == pytest.approx(64.0 * 0.05) and fast[4][0] == pytest.approx(73.0 * 0.05)
+    assert fast[3][0] - fast[1][0] == pytest.approx(10.5 * 0.05)
+    with pytest.raises(ValueError, match="think_time_scale"):
+        conversation_schedule(reqs, 1.0, think_time_scale=-1.0)
+
+
 def test_conversations_start_at_the_rate_divided_by_their_mean_length():
     # 2 conversations, 6 requests: at 30 requests/s they start at 10 per second, 0.1 s apart
     reqs = sorted([req(t, "a") for t in (0.0, 0.001, 0.002)] + [req(t, "b") for t in (60.0, 60.3, 60.6)],

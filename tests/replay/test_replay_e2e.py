@@ -169,6 +169,7 @@ def test_injected_backend_failures_are_misses_never_wrong_bytes(tmp_path, weka_p
         (["--max-requests", "-1"], "replay.max_requests: must be at least 1"),
         (["--sessions", "0"], "replay.sessions: must be at least 1"),
         (["--hbm-pages", "-5"], "replay.hbm_pages: must be >= 0"),
+        (["--think-time-scale", "-0.5"], "replay.think_time_scale: must be >= 0"),
         (["--systems", ""], "--systems: name at least one system"),
     ],
 )
