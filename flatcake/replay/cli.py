@@ -134,6 +134,12 @@ def replay_settings(cfg: FlatCakeConfig, args: argparse.Namespace, config_dir: P
     for key in ("max_requests", "sessions"):
         if s.get(key) is not None and s[key] < 1:
             raise ConfigError(f"replay.{key}: must be at least 1 (got {s[key]})")
+    from flatcake.replay.mooncake import check_extra
+
+    try:
+        s["mooncake_extra"] = check_extra(s["mooncake_extra"] or {})
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     if float(s["think_time_scale"]) < 0:
         raise ConfigError(f"replay.think_time_scale: must be >= 0 (got {s['think_time_scale']})")
     if s.get("hbm_pages") is not None and s["hbm_pages"] < 0:
@@ -189,7 +195,7 @@ def apply_scale(cfg: FlatCakeConfig, settings: dict, profile: ModelProfile, n: i
     settings["tiered_extra"] = {k: down(v, f"tiered_extra.{k}") for k, v in settings["tiered_extra"].items()}
     from flatcake.replay.mooncake import DEFAULTS as MOONCAKE_DEFAULTS
 
-    mc = {**MOONCAKE_DEFAULTS, **dict(settings.get("mooncake_extra") or {})}
+    mc = {**MOONCAKE_DEFAULTS, **dict(settings.get("mooncake_extra") or {})}  # validated already
     settings["mooncake_extra"] = {**mc, **{k: down(mc[k], f"mooncake_extra.{k}") for k in ("bucket_bytes", "staging_bytes")}}
     return cfg, settings, profile
 

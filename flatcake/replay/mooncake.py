@@ -64,6 +64,31 @@ DEFAULTS: dict[str, Any] = {"lease_ttl_ms": 500, "eviction_high_watermark": 0.7,
                             "heartbeat_s": 1}
 
 
+def check_extra(extra: Mapping[str, Any]) -> dict[str, Any]:
+    """``replay.mooncake_extra`` merged over :data:`DEFAULTS`, validated.
+
+    Raises:
+        ValueError: an unknown key, a non-positive number, a watermark or ratio outside (0, 1],
+            or an eviction policy other than ``lru``/``fifo``/``none`` (the message names the key).
+    """
+    if not isinstance(extra, Mapping):
+        raise ValueError(f"replay.mooncake_extra: must be a mapping (got {extra!r})")
+    unknown = sorted(set(extra) - set(DEFAULTS))
+    if unknown:
+        raise ValueError(f"replay.mooncake_extra: unknown key(s) {unknown} (known: {', '.join(DEFAULTS)})")
+    out = {**DEFAULTS, **dict(extra)}
+    for k, v in out.items():
+        if k == "eviction_policy":
+            if v not in ("lru", "fifo", "none"):
+                raise ValueError(f"replay.mooncake_extra.eviction_policy: lru, fifo or none (got {v!r})")
+            continue
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
+            raise ValueError(f"replay.mooncake_extra.{k}: must be a positive number (got {v!r})")
+        if k in ("eviction_high_watermark", "eviction_ratio") and v > 1:
+            raise ValueError(f"replay.mooncake_extra.{k}: a fraction in (0, 1] (got {v!r})")
+    return out
+
+
 def unavailable_reason() -> Optional[str]:
     """Why the ``mooncake`` system cannot run here, or None when it can.
 

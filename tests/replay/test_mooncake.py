@@ -98,3 +98,15 @@ def test_past_its_dram_segment_mooncake_offloads_and_reads_back_from_ssd(tmp_pat
     assert mc["counters"]["ssd_write_bytes"] > 0  # evicted pages went to bucket files
     assert mc["delivered_hit_rate"] > 0
     assert _leftovers() == ([], [])
+
+
+@pytest.mark.parametrize("extra,msg", [({"lease_ms": 5}, "unknown key"), ({"lease_ttl_ms": -1}, "lease_ttl_ms"),
+                                       ({"eviction_ratio": 2}, "eviction_ratio"),
+                                       ({"eviction_policy": "mru"}, "eviction_policy")])
+def test_bad_mooncake_settings_exit_2_naming_the_key(tmp_path, mooncake_path, capsys, extra, msg):
+    cfg = _config(tmp_path, 32, replay={"mooncake_extra": extra})
+    assert main(["--trace", str(mooncake_path), "--config", cfg, "--systems", "mooncake", "--out", str(tmp_path / "o"),
+                 "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "replay.mooncake_extra" in err and msg in err
+    assert not (tmp_path / "o").exists()
