@@ -5,6 +5,7 @@ root and iproute2 (``make venv`` and CI provide them) and skip naming what is mi
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 
 import pytest
@@ -29,9 +30,17 @@ def _config(tmp_path, head_dim: int, kv_heads: int = 1, replay: dict | None = No
 
 
 def _leftovers() -> tuple[list, list]:
+    """This process's replay namespace if still there, and ``mooncake_master`` processes outside
+    every named namespace (an orphan of a deleted one); another replay running on the machine
+    keeps its own namespace and master and is not counted."""
+    mine = f"fc-replay-{os.getpid()}"
     ns = [line.split()[0] for line in subprocess.run(["ip", "netns", "list"], capture_output=True,
-                                                     text=True).stdout.splitlines() if line.startswith("fc-replay-")]
-    masters = subprocess.run(["pgrep", "-f", "mooncake_master"], capture_output=True, text=True).stdout.split()
+                                                     text=True).stdout.splitlines() if line.split()[:1] == [mine]]
+    masters = []
+    for pid in subprocess.run(["pgrep", "-f", "mooncake_master"], capture_output=True, text=True).stdout.split():
+        where = subprocess.run(["ip", "netns", "identify", pid], capture_output=True, text=True).stdout.strip()
+        if where in ("", mine):
+            masters.append(pid)
     return ns, masters
 
 
