@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any, Iterator, Mapping, Optional, Sequence
 
 from flatcake.replay.engine import ModelProfile
-from flatcake.replay.systems import COUNTER_KEYS, L3System, extra_info, profile_storage_config
+from flatcake.replay.systems import COUNTER_KEYS, L3System, profile_storage_config
 
 log = logging.getLogger(__name__)
 
@@ -335,6 +335,7 @@ class MooncakeSystem(L3System):
             raise
         super().__init__(profile, pool, backend)
         self._c = dict.fromkeys(COUNTER_KEYS, 0)
+        self._c_lock = threading.Lock()  # the serving model calls from several threads
         inner = self.inner
         self._suffix = f"{inner.mla_suffix}" if inner.is_mla_backend else f"{inner.mha_suffix}"
         self._objects_per_page = 1 if inner.is_mla_backend else 2
@@ -376,50 +377,32 @@ class MooncakeSystem(L3System):
 
     def get(self, keys, host_indices, prefix_keys):
         media = self._media(keys)  # before the timed call: harness bookkeeping
-        info = extra_info(prefix_keys)
-        t0 = time.perf_counter()
-        failed, res = False, None
-        try:
-            res = self.backend.batch_get_v1(keys, host_indices, info)
-        except Exception:
-            failed = True
-        count = 0
-        for r in res or []:
-            if not r:
-                break
-            count += 1
-        self.last_call_s = time.perf_counter() - t0
-        if failed:
-            self._error("batch_get_v1")
+        count = self.get_v1(keys, host_indices, prefix_keys)
         dram = sum(1 for m in media[:count] if m == "dram")
         ssd, pb = count - dram, self.profile.page_bytes
-        self._c["hit_pages_dram"] += dram
-        self._c["hit_pages_ssd"] += ssd
-        self._c["ssd_read_bytes"] += ssd * pb  # objects are read whole: no over-read
-        self._c["ssd_read_ops"] += ssd * self._objects_per_page
-        self._c["logical_read_bytes_ssd"] += ssd * pb
+        with self._c_lock:
+            self._c["hit_pages_dram"] += dram
+            self._c["hit_pages_ssd"] += ssd
+            self._c["ssd_read_bytes"] += ssd * pb  # objects are read whole: no over-read
+            self._c["ssd_read_ops"] += ssd * self._objects_per_page
+            self._c["logical_read_bytes_ssd"] += ssd * pb
         return count, dram, ssd
 
     def set(self, keys, host_indices, prefix_keys):
-        info = extra_info(prefix_keys)
-        t0 = time.perf_counter()
-        try:
-            res = list(self.backend.batch_set_v1(keys, host_indices, info) or [])
-        except Exception:
-            res = None
-        self.last_call_s = time.perf_counter() - t0
+        res = self.set_v1(keys, host_indices, prefix_keys)
         if res is None:
-            self._error("batch_set_v1")
             return False
         ok = sum(1 for r in res if r)
-        self._c["dram_write_bytes"] += ok * self.profile.page_bytes
-        self._c["logical_write_bytes"] += ok * self.profile.page_bytes
+        with self._c_lock:
+            self._c["dram_write_bytes"] += ok * self.profile.page_bytes
+            self._c["logical_write_bytes"] += ok * self.profile.page_bytes
         return bool(res) and ok == len(res)
 
     def counters(self) -> dict[str, int]:
         """Cumulative counters; ``ssd_write_bytes`` is the bucket bytes on disk now (every put is
         offloaded, buckets evicted since are not counted) and ``ssd_write_ops`` the buckets."""
-        c = dict(self._c)
+        with self._c_lock:
+            c = dict(self._c)
         buckets = [p for p in self.root.rglob("*.bucket") if p.is_file()]
         c["ssd_write_bytes"] = sum(p.stat().st_size for p in buckets)
         c["ssd_write_ops"] = len(buckets)

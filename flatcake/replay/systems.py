@@ -165,6 +165,41 @@ class L3System:
         """Write the host pages of ``host_indices`` under ``keys``; True when all succeeded."""
         raise NotImplementedError
 
+    def get_v1(self, keys: list[str], host_indices: torch.Tensor, prefix_keys: list[str]) -> int:
+        """Timed ``batch_get_v1`` (SGLang's zero-copy read) into ``host_indices``: returns the
+        leading run of pages delivered (0 when the backend raised, counted in ``errors``) and
+        leaves the call's seconds in ``last_call_s``."""
+        info = extra_info(prefix_keys)
+        t0 = time.perf_counter()
+        failed, res = False, None
+        try:
+            res = self.backend.batch_get_v1(keys, host_indices, info)
+        except Exception:
+            failed = True
+        count = 0
+        for r in res or []:
+            if not r:
+                break
+            count += 1
+        self.last_call_s = time.perf_counter() - t0
+        if failed:
+            self._error("batch_get_v1")
+        return count
+
+    def set_v1(self, keys: list[str], host_indices: torch.Tensor, prefix_keys: list[str]) -> Optional[list]:
+        """Timed ``batch_set_v1`` (SGLang's zero-copy write-back): the per-page results, or None
+        when the backend raised (counted in ``errors``); seconds in ``last_call_s``."""
+        info = extra_info(prefix_keys)
+        t0 = time.perf_counter()
+        try:
+            res = list(self.backend.batch_set_v1(keys, host_indices, info) or [])
+        except Exception:
+            res = None
+        self.last_call_s = time.perf_counter() - t0
+        if res is None:
+            self._error("batch_set_v1")
+        return res
+
     def medium_summary(self, keys: list[str]):
         """:class:`~flatcake.store.MediumSummary` of stored ``keys`` (FC-MAS lanes). A backend
         without media reports every page on SSD."""
@@ -321,36 +356,14 @@ class FlatCakeSystem(L3System):
 
     def get(self, keys, host_indices, prefix_keys):
         before = self._snap()
-        info = extra_info(prefix_keys)
-        t0 = time.perf_counter()
-        failed = False
-        try:
-            res = self.backend.batch_get_v1(keys, host_indices, info)
-        except Exception:
-            failed, res = True, None
-        count = 0
-        for r in res or []:
-            if not r:
-                break
-            count += 1
-        self.last_call_s = time.perf_counter() - t0
-        if failed:
-            self._error("batch_get_v1")
+        count = self.get_v1(keys, host_indices, prefix_keys)
         after = self._snap()
         dram = min(count, after["hit_pages_dram"] - before["hit_pages_dram"])
         return count, dram, count - dram
 
     def set(self, keys, host_indices, prefix_keys):
-        info = extra_info(prefix_keys)
-        t0 = time.perf_counter()
-        try:
-            ok = all(self.backend.batch_set_v1(keys, host_indices, info) or [False])
-        except Exception:
-            ok = None
-        self.last_call_s = time.perf_counter() - t0
-        if ok is None:
-            self._error("batch_set_v1")
-        return bool(ok)
+        res = self.set_v1(keys, host_indices, prefix_keys)
+        return bool(res) and all(res)
 
     def medium_summary(self, keys):
         return self.inner.medium_summary(keys)

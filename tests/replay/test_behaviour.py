@@ -43,7 +43,9 @@ def test_a_request_served_from_ssd_beats_recomputing_it(tmp_path, tiny_profile, 
                 assert out.l3_pages == 64 and out.verify_failures == 0 and out.computed_pages == 1
         finally:
             sysm.close()
-    assert ttft[system] < ttft["recompute"] / 10  # 1 MiB read against 1.2 s of modelled prefill
+    # 1 MiB read against 1.2 s of modelled prefill; a margin of 3x, not more: a loaded 2-core CI
+    # machine has taken 0.12 s for the read
+    assert ttft[system] < ttft["recompute"] / 3
 
 
 @pytest.mark.parametrize("system", L3)
