@@ -234,8 +234,12 @@ class MooncakeMaster:
         """Stop the master by its process id and wait until it is gone (the next master binds
         the same port)."""
         if self.proc is not None:
-            _stop_pid(self.proc.pid)
-            self.proc.wait()
+            self.proc.terminate()  # our child: wait() reaps it (kill -0 would see the zombie)
+            try:
+                self.proc.wait(timeout=5.0)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
             self.proc = None
 
 
