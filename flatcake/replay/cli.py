@@ -63,8 +63,8 @@ HARNESS_DEFAULTS: dict[str, Any] = {
     "keep_data": False,
     "file_extra": {},  # HiCacheFile's extra config; max_size defaults to FlatCake's SSD capacity
     "tiered_extra": {},  # tiered baseline: bucket_bytes, staging_bytes (docs/baselines.md)
-    "mooncake_extra": {},
-    "think_time_scale": 1.0,  # --qps: factor on the gaps between a conversation's turns  # mooncake: lease_ttl_ms, bucket_bytes, staging_bytes, ... (docs/baselines.md)
+    "mooncake_extra": {},  # mooncake: lease_ttl_ms, bucket_bytes, staging_bytes, ... (docs/baselines.md)
+    "think_time_scale": 1.0,  # --qps: factor on the gaps between a conversation's turns
     "disk_budget": True,  # refuse a run that would not fit on the output's file system
     "plot": True,  # write ttft_cdf.png (matplotlib)
 }
@@ -193,9 +193,9 @@ def apply_scale(cfg: FlatCakeConfig, settings: dict, profile: ModelProfile, n: i
         file_extra["max_size"] = down(file_max_size(file_extra), "file_extra.max_size")
     settings["file_extra"] = file_extra
     settings["tiered_extra"] = {k: down(v, f"tiered_extra.{k}") for k, v in settings["tiered_extra"].items()}
-    from flatcake.replay.mooncake import DEFAULTS as MOONCAKE_DEFAULTS
+    from flatcake.replay.mooncake import check_extra
 
-    mc = {**MOONCAKE_DEFAULTS, **dict(settings.get("mooncake_extra") or {})}  # validated already
+    mc = check_extra(settings.get("mooncake_extra") or {})  # its defaults scale too
     settings["mooncake_extra"] = {**mc, **{k: down(mc[k], f"mooncake_extra.{k}") for k in ("bucket_bytes", "staging_bytes")}}
     return cfg, settings, profile
 
