@@ -260,13 +260,13 @@ def _write_requests_csv(path: Path, outcomes: dict[str, list[RequestOutcome]]) -
     with path.open("w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["request", "system", "pages", "prompt_tokens", "hbm_pages", "l3_query_pages",
-                    "dram_pages", "ssd_pages", "computed_pages", "written_pages", "verify_failures",
-                    "query_s", "read_s", "load_s", "prefill_s", "ttft_s", "write_s"])
+                    "dram_pages", "ssd_pages", "computed_pages", "written_pages", "failed_write_pages",
+                    "verify_failures", "query_s", "read_s", "load_s", "prefill_s", "ttft_s", "write_s"])
         for n, outs in outcomes.items():
             for i, o in enumerate(outs):
                 w.writerow([i, n, o.pages, o.prompt_tokens, o.hbm_pages, o.l3_query_pages, o.dram_pages,
-                            o.ssd_pages, o.computed_pages, o.written_pages, o.verify_failures,
-                            f"{o.query_s:.6f}", f"{o.read_s:.6f}", f"{o.load_s:.6f}",
+                            o.ssd_pages, o.computed_pages, o.written_pages, o.failed_write_pages,
+                            o.verify_failures, f"{o.query_s:.6f}", f"{o.read_s:.6f}", f"{o.load_s:.6f}",
                             f"{o.prefill_s:.6f}", f"{o.ttft_s:.6f}", f"{o.write_s:.6f}"])
 
 

@@ -300,6 +300,7 @@ class RequestOutcome:
     ssd_pages: int = 0  # delivered from L3 SSD
     computed_pages: int = 0
     written_pages: int = 0
+    failed_write_pages: int = 0  # computed pages whose put was refused (that batch and the rest)
     verify_failures: int = 0
     query_s: float = 0.0
     read_s: float = 0.0
@@ -422,6 +423,7 @@ class Engine:
             finally:
                 self.pages.free(host)
             if not ok:
+                out.failed_write_pages += len(computed) - b
                 break
             out.written_pages += len(batch)
         self.hbm.insert(keys)

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import math
 import os
 import shutil
 import signal
@@ -57,19 +58,26 @@ MASTER_RPC_PORT = 50051
 MASTER_METRICS_PORT = 9003
 #: the Mooncake client refuses a global segment below 16 MiB
 MIN_SEGMENT_BYTES = 16 << 20
-#: ``mooncake_extra`` keys: master lease (ms), offload bucket size and client staging buffer
-#: (bytes; both divided by ``--scale``), bucket eviction policy, offload heartbeat (s)
+#: ``mooncake_extra`` keys: master lease (ms), DRAM eviction watermark and ratio, offload bucket
+#: size and client staging buffer (bytes; both divided by ``--scale``), bucket eviction policy,
+#: offload heartbeat (s), and whether the master offloads to SSD at eviction (true) or at every put
+#: (false) (docs/baselines.md § mooncake)
 DEFAULTS: dict[str, Any] = {"lease_ttl_ms": 500, "eviction_high_watermark": 0.7, "eviction_ratio": 0.2,
                             "bucket_bytes": 256 << 20, "staging_bytes": 1 << 30, "eviction_policy": "lru",
-                            "heartbeat_s": 1}
+                            "heartbeat_s": 1, "offload_on_evict": True}
+#: keys Mooncake takes as integers: a fraction would be truncated (a heartbeat of 0.5 s to 0)
+WHOLE_KEYS = {"lease_ttl_ms": "milliseconds", "heartbeat_s": "seconds", "bucket_bytes": "bytes",
+              "staging_bytes": "bytes"}
 
 
 def check_extra(extra: Mapping[str, Any]) -> dict[str, Any]:
     """``replay.mooncake_extra`` merged over :data:`DEFAULTS`, validated.
 
     Raises:
-        ValueError: an unknown key, a non-positive number, a watermark or ratio outside (0, 1],
-            or an eviction policy other than ``lru``/``fifo``/``none`` (the message names the key).
+        ValueError: an unknown key, a number that is not positive and finite, a fraction where
+            Mooncake takes a whole number (:data:`WHOLE_KEYS`), a watermark or ratio outside
+            (0, 1], an eviction policy other than ``lru``/``fifo``/``none``, or an
+            ``offload_on_evict`` that is not a boolean (the message names the key).
     """
     if not isinstance(extra, Mapping):
         raise ValueError(f"replay.mooncake_extra: must be a mapping (got {extra!r})")
@@ -78,12 +86,18 @@ def check_extra(extra: Mapping[str, Any]) -> dict[str, Any]:
         raise ValueError(f"replay.mooncake_extra: unknown key(s) {unknown} (known: {', '.join(DEFAULTS)})")
     out = {**DEFAULTS, **dict(extra)}
     for k, v in out.items():
+        if k == "offload_on_evict":
+            if not isinstance(v, bool):
+                raise ValueError(f"replay.mooncake_extra.offload_on_evict: true or false (got {v!r})")
+            continue
         if k == "eviction_policy":
             if v not in ("lru", "fifo", "none"):
                 raise ValueError(f"replay.mooncake_extra.eviction_policy: lru, fifo or none (got {v!r})")
             continue
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
-            raise ValueError(f"replay.mooncake_extra.{k}: must be a positive number (got {v!r})")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+            raise ValueError(f"replay.mooncake_extra.{k}: must be a positive finite number (got {v!r})")
+        if k in WHOLE_KEYS and v != int(v):
+            raise ValueError(f"replay.mooncake_extra.{k}: must be a whole number ({WHOLE_KEYS[k]}; got {v!r})")
         if k in ("eviction_high_watermark", "eviction_ratio") and v > 1:
             raise ValueError(f"replay.mooncake_extra.{k}: a fraction in (0, 1] (got {v!r})")
     return out
@@ -208,13 +222,14 @@ class MooncakeMaster:
     def __init__(self, opts: Mapping[str, Any], log_path: Path):
         self.flags = [f"--default_kv_lease_ttl={int(opts['lease_ttl_ms'])}",
                       f"--eviction_high_watermark_ratio={float(opts['eviction_high_watermark'])}",
-                      f"--eviction_ratio={float(opts['eviction_ratio'])}"]
+                      f"--eviction_ratio={float(opts['eviction_ratio'])}",
+                      f"--offload_on_evict={'true' if opts['offload_on_evict'] else 'false'}"]
         self.log_path = Path(log_path)
         self.proc: Optional[subprocess.Popen] = None
 
     def start(self) -> "MooncakeMaster":
         cmd = [_master_binary(), f"--rpc_port={MASTER_RPC_PORT}", f"--metrics_port={MASTER_METRICS_PORT}",
-               "--enable_offload=true", "--offload_on_evict=true", "--enable_metric_reporting=false", *self.flags]
+               "--enable_offload=true", "--enable_metric_reporting=false", *self.flags]
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as out:
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)

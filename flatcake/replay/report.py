@@ -54,6 +54,7 @@ def system_summary(outcomes: Sequence[RequestOutcome], counters: Mapping[str, in
         "l3_query_hit_pages": int(sum(o.l3_query_pages for o in outcomes)),
         "computed_pages": int(sum(o.computed_pages for o in outcomes)),
         "written_pages": int(sum(o.written_pages for o in outcomes)),
+        "failed_write_pages": int(sum(o.failed_write_pages for o in outcomes)),
         "ttft_s": {
             "mean": float(ttft.mean()),
             "p50": float(np.percentile(ttft, 50)),
@@ -124,6 +125,7 @@ _ROWS: list[tuple[str, Any, str]] = [
     ("read amplification", lambda s: s["read_amplification"], "x"),
     ("write amplification", lambda s: s["write_amplification"], "x"),
     ("verify failures", lambda s: s["verify_failures"], ""),
+    ("write-back pages refused (failed puts)", lambda s: s["failed_write_pages"], ""),
     ("backend errors", lambda s: s["backend_errors"], ""),
     ("write calls (s, async in SGLang)", lambda s: s["write_s"], "s"),
     ("wall (s)", lambda s: s["wall_s"], "s"),

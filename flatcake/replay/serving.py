@@ -100,6 +100,7 @@ class Live:
     query_s: float = 0.0
     read_s: float = 0.0
     written_pages: int = 0
+    failed_write_pages: int = 0  # pages whose put was refused (that batch and the rest)
     lane: str = ""
     lane_wait_s: float = 0.0
     prefetch_s: float = 0.0
@@ -302,6 +303,7 @@ class ServingModel:
                 finally:
                     self._free(host)
                 if not ok:
+                    r.failed_write_pages += len(todo) - b
                     break
                 r.written_pages += len(batch)
 
@@ -463,6 +465,7 @@ def serving_summary(lives: Sequence[Live], page_size: int, wall_s: float, backup
         "revoked_prefetch_tokens": sum(r.revoked_tokens for r in lives),
         "backup_skipped_pages": backup_skipped_pages,
         "written_pages": sum(r.written_pages for r in lives),
+        "failed_write_pages": sum(r.failed_write_pages for r in lives),
         "verify_failures": sum(r.verify_failures for r in lives),
         "tokens_per_s": tokens / makespan_s if makespan_s > 0 else None,
         "makespan_s": makespan_s,

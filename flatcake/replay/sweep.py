@@ -137,10 +137,11 @@ def serving_markdown(result: dict[str, Any], figures: Sequence[str] = ()) -> str
     the run measured; "–" where nothing was measured (e.g. no SSD restore at all); then links
     to ``figures``."""
     head = ("| qps | scheduler | system | offered qps | hit rate | TTFT mean (s) | TTFT p99 (s) | queue p99 (s) | "
-            "SSD prefetch p99 (s) | DRAM-lane wait p99 (s) | declined tok | revoked tok | tok/s | verify failures |")
+            "SSD prefetch p99 (s) | DRAM-lane wait p99 (s) | declined tok | revoked tok | tok/s | failed-put pages | "
+            "verify failures |")
     ideal = result.get("ideal_hit_rate")
     rows = [f"Trace `{result['trace']}`, {result['requests']} requests, ideal hit rate "
-            f"{'–' if ideal is None else format(ideal, '.2%')}.", "", head, "|" + "---|" * 14]
+            f"{'–' if ideal is None else format(ideal, '.2%')}.", "", head, "|" + "---|" * 15]
     if result.get("scale", 1) > 1:
         rows[1:1] = ["", scale_note(result["scale"])]
     def f(v, spec=".3f"):
@@ -152,7 +153,7 @@ def serving_markdown(result: dict[str, Any], figures: Sequence[str] = ()) -> str
                     f"{f(r['ttft_s']['mean'])} | {f(r['ttft_s']['p99'])} | {f(r['queue_s']['p99'])} | "
                     f"{f(r['ssd_prefetch_s']['p99'])} | {f(r['dram_lane_wait_p99_s'])} | "
                     f"{r['declined_prefetch_tokens']:,} | {r['revoked_prefetch_tokens']:,} | "
-                    f"{f(r['tokens_per_s'], ',.0f')} | {r['verify_failures']} |")
+                    f"{f(r['tokens_per_s'], ',.0f')} | {r.get('failed_write_pages', 0):,} | {r['verify_failures']} |")
     squeezed = [r for r in result["runs"] if r.get("turns_before_previous_answer")]
     if squeezed:
         worst = max(squeezed, key=lambda r: r["turns_before_previous_answer"])

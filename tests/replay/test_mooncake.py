@@ -86,7 +86,7 @@ def test_mooncake_serves_the_same_hits_as_flatcake_bit_exact_and_leaves_nothing(
     # 16 KiB pages: everything fits the 16 MiB DRAM segment; every reuse is a Mooncake DRAM hit
     assert mc["hit_tokens"]["dram"] == fc["hit_tokens"]["dram"] + fc["hit_tokens"]["ssd"] == 48 * PAGE
     assert mc["hit_tokens"]["ssd"] == 0 and mc["verify_failures"] == 0 and mc["backend_errors"] == 0
-    assert mc["written_pages"] == fc["written_pages"] > 0
+    assert mc["written_pages"] == fc["written_pages"] > 0 and mc["failed_write_pages"] == 0
     assert not (out / mooncake.STORAGE_DIR).exists() if hasattr(mooncake, "STORAGE_DIR") else True
     assert not (out / "mooncake-ssd").exists()
     assert _leftovers() == ([], [])
@@ -111,7 +111,11 @@ def test_past_its_dram_segment_mooncake_offloads_and_reads_back_from_ssd(tmp_pat
 
 @pytest.mark.parametrize("extra,msg", [({"lease_ms": 5}, "unknown key"), ({"lease_ttl_ms": -1}, "lease_ttl_ms"),
                                        ({"eviction_ratio": 2}, "eviction_ratio"),
-                                       ({"eviction_policy": "mru"}, "eviction_policy")])
+                                       ({"eviction_policy": "mru"}, "eviction_policy"),
+                                       ({"heartbeat_s": 0.5}, "whole number"), ({"lease_ttl_ms": 0.5}, "whole number"),
+                                       ({"lease_ttl_ms": float("nan")}, "finite"),
+                                       ({"eviction_high_watermark": float("inf")}, "finite"),
+                                       ({"offload_on_evict": "yes"}, "offload_on_evict")])
 def test_bad_mooncake_settings_exit_2_naming_the_key(tmp_path, mooncake_path, capsys, extra, msg):
     cfg = _config(tmp_path, 32, replay={"mooncake_extra": extra})
     assert main(["--trace", str(mooncake_path), "--config", cfg, "--systems", "mooncake", "--out", str(tmp_path / "o"),

@@ -161,3 +161,32 @@ def test_engine_calls_l3_like_sglang_and_verifies_every_page(tiny_profile):
     assert second.ssd_pages == 300 and second.computed_pages == 0
     assert second.verify_failures == 1  # the one corrupted page is caught
     assert second.prefill_s == prof.prefill_s(5, 300 * 16)  # only the partial tail is computed
+
+
+class _FullSystem(_DictSystem):
+    """Refuses every put after the first ``room`` pages, as a store whose DRAM is full does."""
+
+    def __init__(self, profile, room):
+        super().__init__(profile)
+        self.room = room
+
+    def set(self, keys, host_indices, prefix_keys):
+        if len(self.store) + len(keys) > self.room:
+            self.calls.append(("refused", len(keys), len(prefix_keys)))
+            return False
+        return super().set(keys, host_indices, prefix_keys)
+
+
+def test_a_refused_put_counts_that_batch_and_the_rest_as_failed_write_pages(tiny_profile):
+    from dataclasses import replace
+
+    from flatcake.replay.engine import Engine, EngineConfig
+
+    prof = replace(tiny_profile, page_size=16)
+    sysm = _FullSystem(prof, room=200)
+    eng = Engine(sysm, prof, EngineConfig(hbm_pages=0, host_pool_pages=256, prefetch_threshold_tokens=0))
+    out = eng.run([f"k{i}" for i in range(300)], 300 * 16)
+    # 128 stored; the second batch of 128 would pass 200: refused, and the last 44 never tried
+    assert sysm.calls == [("exists", 300, 0), ("set", 128, 0), ("refused", 128, 128)]
+    assert out.written_pages == 128 and out.failed_write_pages == 172
+    assert out.written_pages + out.failed_write_pages == out.computed_pages == 300

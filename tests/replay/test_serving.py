@@ -102,6 +102,28 @@ def test_a_timeout_admits_with_what_was_read_and_never_counts_a_page_twice(tmp_p
     assert r.written_pages == 201  # every page after the HBM hit recomputed and backed up (200 known + 1 new)
 
 
+def test_a_refused_write_back_is_counted_as_failed_write_pages(tmp_path, tiny_profile):
+    keyer = PageKeyer(tiny_profile.page_size)
+    system = make_system("flatcake", tiny_profile, 512, tmp_path, FC)
+    real_set, calls = system.set, []
+
+    def refuse_second(*a):  # the store accepts the first call, then is full
+        calls.append(len(a[0]))
+        return real_set(*a) if len(calls) == 1 else False
+
+    system.set = refuse_second
+    try:
+        ecfg = EngineConfig(hbm_pages=0, host_pool_pages=512, prefetch_threshold_tokens=0)
+        measured = [req(0.0, list(range(300)))]
+        lives = ServingModel(system, tiny_profile, ecfg, ServingConfig(qps=100.0)).run(
+            measured, [keyer.keys(r) for r in measured])
+    finally:
+        system.close()
+    s = serving_summary(lives, tiny_profile.page_size, 1.0)
+    assert calls == [128, 128]  # 128 stored, the next 128 refused, the last 44 never tried
+    assert s["written_pages"] == 128 and s["failed_write_pages"] == 172
+
+
 def sweep(out, trace, systems, qps, scheduler="fcfs,mas"):
     """``flatcake-replay --qps`` into ``out``; returns the runs of its summary.json."""
     rc = main(["--trace", str(trace), "--systems", systems, "--out", str(out), "--qps", qps, "--scheduler", scheduler,
