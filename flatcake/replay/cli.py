@@ -385,10 +385,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except (ConfigError, ValueError, FileNotFoundError) as e:
         print(f"flatcake-replay: {e}", file=sys.stderr)
         return 2
-    if "mooncake" in settings["systems"]:
-        rc = _mooncake_namespace(settings, sys.argv[1:] if argv is None else list(argv))
-        if rc is not None:
-            return rc
     try:  # serving flags are checked even without --qps: a typo never passes silently
         scheds = parse_schedulers(cfg.mas.scheduler if args.scheduler is None else args.scheduler)
         rates = parse_rates(args.qps) if args.qps is not None else None
@@ -404,6 +400,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ValueError as e:
         print(f"flatcake-replay: {e}", file=sys.stderr)
         return 2
+    if "mooncake" in settings["systems"]:  # after every check: a bad flag exits 2 here, not in the namespace
+        rc = _mooncake_namespace(settings, sys.argv[1:] if argv is None else list(argv))
+        if rc is not None:
+            return rc
     t0 = time.perf_counter()
     if rates is not None:
         return _serve(cfg, settings, profile, rates, scheds, restores, t0)

@@ -123,3 +123,68 @@ def test_bad_mooncake_settings_exit_2_naming_the_key(tmp_path, mooncake_path, ca
     err = capsys.readouterr().err
     assert "replay.mooncake_extra" in err and msg in err
     assert not (tmp_path / "o").exists()
+
+
+def test_a_bad_flag_exits_2_before_any_namespace_is_made(tmp_path, mooncake_path, monkeypatch, capsys):
+    def no_namespace(argv):
+        raise AssertionError("the namespace was made before the flags were checked")
+
+    monkeypatch.setattr(mooncake, "run_in_namespace", no_namespace)
+    rc = main(["--trace", str(mooncake_path), "--config", _config(tmp_path, 32), "--systems", "mooncake",
+               "--qps", "0", "--out", str(tmp_path / "o"), "--no-progress"])
+    assert rc == 2 and "--qps" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
+@needs_mooncake
+def test_sigterm_during_the_replay_removes_the_namespace_and_the_master(tmp_path, mooncake_path):
+    import signal
+    import sys
+    import time
+
+    out = tmp_path / "o"
+    cmd = [sys.executable, "-m", "flatcake.replay.cli", "--trace", str(mooncake_path), "--config",
+           _config(tmp_path, 32), "--systems", "mooncake", "--qps", "0.2", "--out", str(out), "--no-progress"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    name = f"fc-replay-{proc.pid}"
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:  # wait until the replay runs: its master listens in the namespace
+            pids = subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True).stdout.split()
+            if any("mooncake_master" in open(f"/proc/{p}/cmdline").read() for p in pids if os.path.exists(f"/proc/{p}")):
+                break
+            time.sleep(0.2)
+        else:
+            pytest.fail("the replay's master never started")
+        time.sleep(1.0)  # inside the serving loop (one request every 5 s)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+    assert name not in listed
+    masters = subprocess.run(["pgrep", "-f", "mooncake_master"], capture_output=True, text=True).stdout.split()
+    orphans = [p for p in masters
+               if subprocess.run(["ip", "netns", "identify", p], capture_output=True, text=True).stdout.strip() == ""]
+    assert orphans == []
+    assert not (out / "mooncake-ssd").exists() or not any((out / "mooncake-ssd").rglob("*.bucket"))
+
+
+def test_a_replay_without_root_runs_the_others_and_says_why_mooncake_was_skipped(tmp_path, mooncake_path,
+                                                                                 monkeypatch, capsys):
+    # the interpreter here lives under /root (0700), so a real non-root run is not possible in this
+    # image: the effective uid is what the replay checks, set to a user's
+    if mooncake.unavailable_reason() is not None and "wheel" in mooncake.unavailable_reason():
+        pytest.skip(mooncake.unavailable_reason())
+    monkeypatch.delenv(mooncake.NETNS_ENV, raising=False)
+    monkeypatch.setattr(mooncake.os, "geteuid", lambda: 1000)
+    out = tmp_path / "o"
+    rc = main(["--trace", str(mooncake_path), "--config", _config(tmp_path, 32), "--systems", "flatcake,mooncake",
+               "--out", str(out), "--no-progress"])
+    assert rc == 0
+    s = json.loads((out / "summary.json").read_text())
+    assert list(s["systems"]) == ["flatcake"] and s["systems"]["flatcake"]["written_pages"] > 0
+    assert "needs root" in s["skipped_systems"]["mooncake"]
+    assert "skipping system mooncake: creating the network namespace" in capsys.readouterr().err
+    assert _leftovers() == ([], [])
