@@ -72,11 +72,17 @@ class Backup:
         self.geometry, self.max_round_pages, self.stats, self.errors = geometry, max_round_pages, stats, errors
         self._min_extent_bytes = fmt.round_layout(["k" * 64], geometry.layers, geometry.chunk_bytes).total_bytes + fmt.BLOCK
 
-    def put(self, keys: list, layout: KvPageLayout, page_ids, prefix_keys, out: list[bool]) -> None:
+    def put(self, keys: list, layout: KvPageLayout, page_ids, prefix_keys, out: list[bool]) -> int:
         """Store pages ``keys[i]`` from page ``page_ids[i]`` of ``layout``, filling ``out``
         (per-page success) round by round; stops at the first failed round. The new keys are
         claimed first, so a concurrent put of the same keys writes them once (it waits, then
-        finds them published). Raises only for a caller bug (the facade catches it)."""
+        finds them published). Raises only for a caller bug (the facade catches it).
+
+        Returns:
+            Pages this call wrote and published (pages): keys already stored, repeats within the
+            call and pages of failed rounds are not counted; the first half of a split round
+            that was published is, even when the round's second half failed.
+        """
         n_valid = next((i for i, k in enumerate(keys) if not valid_key(k)), len(keys))
         if n_valid < len(keys):
             k = keys[n_valid]
@@ -84,12 +90,12 @@ class Backup:
                                           "UTF-8 bytes)"))
         mine = self.scopes.claims.claim(keys[:n_valid])  # the pages after an unusable key cannot be chained to it
         try:
-            self._put_claimed(keys[:n_valid], set(mine), layout, page_ids, prefix_keys, out)
+            return self._put_claimed(keys[:n_valid], set(mine), layout, page_ids, prefix_keys, out)
         finally:
             self.scopes.claims.release(mine)
 
-    def _put_claimed(self, keys, mine: set, layout, page_ids, prefix_keys, out: list[bool]) -> None:
-        todo, parent, seen, repeats = [], None, set(), []
+    def _put_claimed(self, keys, mine: set, layout, page_ids, prefix_keys, out: list[bool]) -> int:
+        todo, parent, seen, repeats, stored = [], None, set(), [], 0
         for i, k in enumerate(keys):
             if self.scopes.index.contains(k):  # same key = same page bytes (chained hash)
                 out[i] = True
@@ -106,8 +112,10 @@ class Backup:
         ctx0 = (len(prefix_keys) if prefix_keys else 0) * self.geometry.page_size
         for a in range(0, len(todo), self.max_round_pages):  # rounds, each written as one unit
             part = todo[a: a + self.max_round_pages]
-            ok = self._put_round([keys[i] for i in part], [int(page_ids[i]) for i in part], layout, parent,
-                                 ctx0 + (part[-1] + 1) * self.geometry.page_size)
+            done = self._put_round([keys[i] for i in part], [int(page_ids[i]) for i in part], layout, parent,
+                                   ctx0 + (part[-1] + 1) * self.geometry.page_size)
+            stored += done
+            ok = done == len(part)
             for i in part:
                 out[i] = ok
             if not ok:
@@ -115,9 +123,11 @@ class Backup:
             parent = keys[part[-1]]
         for i in repeats:
             out[i] = self.scopes.index.contains(keys[i])
+        return stored
 
-    def _put_round(self, keys, src_pages, layout, parent, context_tokens) -> bool:
-        """Place, write and publish one round; False (nothing published) on any failure.
+    def _put_round(self, keys, src_pages, layout, parent, context_tokens) -> int:
+        """Place, write and publish one round; returns the pages published: ``len(keys)``, or
+        fewer on a failure (0 unless a split round's first half was published).
 
         Free space first: a round that no free range holds is split in two (each half placed
         the same way) while some free range holds a one-page round; only then are whole scopes
@@ -129,12 +139,14 @@ class Backup:
                 plc = self.scopes.place_locked(keys, src_pages, parent, context_tokens)
         if split:
             h = len(keys) // 2
-            return (self._put_round(keys[:h], src_pages[:h], layout, parent,
+            first = self._put_round(keys[:h], src_pages[:h], layout, parent,
                                     context_tokens - (len(keys) - h) * self.geometry.page_size)
-                    and self._put_round(keys[h:], src_pages[h:], layout, keys[h - 1], context_tokens))
+            if first < h:
+                return first
+            return first + self._put_round(keys[h:], src_pages[h:], layout, keys[h - 1], context_tokens)
         if plc is None:
             self.stats.add(put_failures=1)
-            return False
+            return 0
         try:
             entries = self.writer.write(plc, layout)
         except Exception as e:
@@ -150,7 +162,7 @@ class Backup:
                     self.scopes.take_file_out_of_service_locked(plc.extent_file)
                 self.reader.forget_file(plc.extent_file)
             self.stats.add(put_failures=1)
-            return False
+            return 0
         with self.scopes.lock:
             committed = self.scopes.commit_locked(plc, entries, parent)
             if committed:
@@ -160,10 +172,10 @@ class Backup:
         self.scopes.release(plc)
         if not committed:
             self.stats.add(put_failures=1)
-            return False
+            return 0
         self.stats.add(logical_write_bytes=len(keys) * self.geometry.page_bytes)
         self.scopes.reclaim_if_needed(exclude=plc.scope)
-        return True
+        return len(keys)
 
     def _on_pool_file_gone(self, file_index: int) -> None:
         """Pool file ``file_index`` was removed behind the backend: drop every scope with an

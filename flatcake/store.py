@@ -325,17 +325,28 @@ class PageStore:
         page (no space, I/O error) is False and nothing stored before is touched; the pages
         after an invalid key are not stored. All ``False`` once the store is closed. Never raises.
         """
+        return self.put_counted(keys, layout, page_ids, prefix_keys)[0]
+
+    def put_counted(self, keys: Sequence[str], layout: KvPageLayout, page_ids: Sequence[int],
+                    prefix_keys: Optional[Sequence[str]] = None) -> tuple[list[bool], int]:
+        """:meth:`put`, also returning how many pages this call wrote.
+
+        Returns:
+            ``(ok, written)``: ``ok`` as :meth:`put` returns it; ``written`` the pages this call
+            wrote and published (pages; keys already stored and pages of failed rounds are not
+            counted). SGLang's backup metrics (``get_stats``) count these. Never raises.
+        """
         n = count_keys(keys)
-        out = [False] * n
+        out, written = [False] * n, 0
         if not self._gate.enter():
-            return out
+            return out, 0
         try:
-            self.backup.put(list(keys), layout, page_ids, prefix_keys, out)
+            written = self.backup.put(list(keys), layout, page_ids, prefix_keys, out)
         except Exception as e:
             self.errors("put", e)
         finally:
             self._gate.exit()
-        return out
+        return out, written
 
     # ================================================================ follower ranks
     def _sync(self) -> None:
