@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Any, List, Optional
 
 import torch
@@ -30,9 +31,14 @@ from flatcake.config import FlatCakeConfig, config_from_extra
 from flatcake.errorlog import ErrorLog
 from flatcake.layout import KvPageLayout, UnsupportedLayoutError
 from flatcake.media.pool_dir import ensure_pool_dir
+from flatcake.metrics import REFRESH_S, make_exporter
 from flatcake.store import MediumSummary, PageStore
 
 log = logging.getLogger("flatcake")
+
+#: bytes in one "GB" of SGLang's storage bandwidth metrics (its Mooncake and HF3FS backends
+#: divide by ``1 << 30``: GiB/s, labelled GB/s)
+GB = 1 << 30
 
 
 def make_namespace(cfg: HiCacheStorageConfig, pool, layout: KvPageLayout) -> str:
@@ -91,6 +97,11 @@ class FlatCakeStorage(HiCacheStorage):
         self._prefetch_bw: list = []
         self._backup_bw: list = []
         self.errors = ErrorLog(log)  # the store's once it is open
+        #: where FlatCake's own metrics go (``prometheus_client`` registry; None: the default one)
+        self.prometheus_registry = None
+        self._exporter = None
+        self._exporter_tried = False
+        self._metrics_refreshed_at = float("-inf")
 
     # ------------------------------------------------------------------ registration
     def register_mem_pool_host(self, mem_pool_host) -> None:
@@ -105,6 +116,7 @@ class FlatCakeStorage(HiCacheStorage):
         layout = KvPageLayout.from_host_pool(mem_pool_host)
         with self._lock:
             if self.store is not None:
+                self.refresh_metrics(force=True)
                 self.store.close()
             self.layout = layout
             self.namespace = make_namespace(self.storage_config, mem_pool_host, layout)
@@ -117,6 +129,8 @@ class FlatCakeStorage(HiCacheStorage):
             instance = f"dp{getattr(sc, 'dp_rank', 0) if sc else 0}"
             self.store = PageStore(self.cfg, layout.geometry, self.namespace, instance=instance, role=role)
             self.errors = self.store.errors
+            if self._exporter is not None:
+                self._exporter.new_store()
         log.info("flatcake: namespace %s: %s", self.namespace, self.store.describe())
 
     def _closed(self) -> bool:
@@ -192,7 +206,7 @@ class FlatCakeStorage(HiCacheStorage):
                 return [False] * len(keys)
             t0 = _now()
             out = self.store.get(keys, self.layout, ids)
-            self._note_metric(self._prefetch_pgs, self._prefetch_bw, sum(out), t0)
+            self._note_metric(self._prefetch_pgs, self._prefetch_bw, sum(out), t0)  # pages read
             return out
         except Exception as e:
             self.errors("batch_get_v1", e)
@@ -208,8 +222,8 @@ class FlatCakeStorage(HiCacheStorage):
             if ids is None:
                 return [False] * len(keys)
             t0 = _now()
-            out = self.store.put(keys, self.layout, ids, _prefix(extra_info))
-            self._note_metric(self._backup_pgs, self._backup_bw, sum(out), t0)
+            out, written = self.store.put_counted(keys, self.layout, ids, _prefix(extra_info))
+            self._note_metric(self._backup_pgs, self._backup_bw, written, t0)  # pages written by this call
             return out
         except Exception as e:
             self.errors("batch_set_v1", e)
@@ -227,7 +241,9 @@ class FlatCakeStorage(HiCacheStorage):
                 target_locations = [self.mem_pool_host.get_dummy_flat_data_page() for _ in range(n)]
             flat = torch.empty((n, target_locations[0].numel()), dtype=target_locations[0].dtype)
             lay = KvPageLayout.from_flat_pages(flat, self.mem_pool_host)
+            t0 = _now()
             ok = self.store.get(keys, lay, list(range(n)))
+            self._note_metric(self._prefetch_pgs, self._prefetch_bw, sum(ok), t0)
             out: List[Optional[torch.Tensor]] = []
             for i, good in enumerate(ok):
                 if not good:
@@ -250,7 +266,10 @@ class FlatCakeStorage(HiCacheStorage):
                 return False
             flat = torch.stack([v.reshape(-1) for v in values])
             lay = KvPageLayout.from_flat_pages(flat, self.mem_pool_host)
-            return all(self.store.put(keys, lay, list(range(len(keys))), None))
+            t0 = _now()
+            out, written = self.store.put_counted(keys, lay, list(range(len(keys))), None)
+            self._note_metric(self._backup_pgs, self._backup_bw, written, t0)
+            return all(out)
         except Exception as e:
             self.errors("batch_set", e)
             return False
@@ -277,6 +296,7 @@ class FlatCakeStorage(HiCacheStorage):
         with self._lock:
             if self.store is not None:
                 try:
+                    self.refresh_metrics(force=True)
                     self.store.close()
                 except Exception as e:  # pragma: no cover - best effort at shutdown
                     log.warning("flatcake close: %s", e)
@@ -285,19 +305,35 @@ class FlatCakeStorage(HiCacheStorage):
         """FlatCake's cumulative counters (see :class:`flatcake.store.StoreStats`)."""
         return self.store.snapshot_stats() if self.store is not None else {}
 
+    def _metrics_on(self) -> bool:
+        return bool(self.storage_config and self.storage_config.enable_storage_metrics)
+
     def _note_metric(self, pgs: list, bws: list, pages: int, t0: float) -> None:
-        if not (self.storage_config and self.storage_config.enable_storage_metrics) or not pages:
+        """Record one call for SGLang's storage histograms: ``pages`` moved (pages) and
+        ``pages * page_bytes / seconds / 2**30`` (SGLang's "GB/s", as its Mooncake backend
+        computes it). A call that moved no page records nothing."""
+        if not self._metrics_on() or not pages:
             return
         dt = max(_now() - t0, 1e-9)
         with self._metrics_lock:
             pgs.append(pages)
-            bws.append(pages * self.layout.geometry.page_bytes / dt / 1e9)
+            bws.append(pages * self.layout.geometry.page_bytes / dt / GB)
 
     def get_stats(self):
-        """SGLang storage metrics (pages and GB/s per prefetch/backup call since the last
-        call), or ``None`` when ``--enable-metrics`` is off."""
-        if not (self.storage_config and self.storage_config.enable_storage_metrics):
+        """SGLang storage metrics since the last call (SGLang drains it once per scheduler step
+        with ``--enable-metrics``), or ``None`` when storage metrics are off.
+
+        Returns:
+            ``StorageMetrics`` with one entry per ``batch_get*`` / ``batch_set*`` call that moved
+            pages: ``prefetch_pgs`` the pages read, ``backup_pgs`` the pages this call wrote
+            (keys the store already held and pages of failed rounds excluded), bandwidths in
+            SGLang's "GB/s" (``2**30`` bytes per second over the store call's wall time). Also
+            refreshes FlatCake's own ``flatcake_*`` metrics (at most every
+            :data:`~flatcake.metrics.REFRESH_S` seconds; ``docs/metrics.md``). Never raises.
+        """
+        if not self._metrics_on():
             return None
+        self.refresh_metrics()
         try:
             from sglang.srt.observability.metrics_collector import StorageMetrics
         except Exception:  # pragma: no cover - metrics module needs prometheus
@@ -310,8 +346,33 @@ class FlatCakeStorage(HiCacheStorage):
             m.backup_bandwidth, self._backup_bw = self._backup_bw, []
         return m
 
+    def refresh_metrics(self, force: bool = False) -> None:
+        """Bring FlatCake's own Prometheus metrics (:mod:`flatcake.metrics`) to the store's
+        counters: at most once per :data:`~flatcake.metrics.REFRESH_S` seconds unless
+        ``force``. A no-op while storage metrics are off, before registration, or without
+        ``prometheus_client`` (logged once). Never raises."""
+        if not self._metrics_on() or self.store is None or self.store.closed:
+            return
+        now = _now()
+        if not force and now - self._metrics_refreshed_at < REFRESH_S:
+            return
+        self._metrics_refreshed_at = now
+        try:
+            if not self._exporter_tried:
+                self._exporter_tried = True
+                sc = self.storage_config
+                self._exporter = make_exporter({"pool": self.store.ssd.prefix, "tp_rank": sc.tp_rank,
+                                                "pp_rank": sc.pp_rank, "dp_rank": getattr(sc, "dp_rank", 0)},
+                                               self.prometheus_registry)
+            if self._exporter is not None:
+                self._exporter.update(self.store.snapshot_stats())
+        except Exception as e:
+            self.errors("metrics", e)
+
+
+#: the clock of the per-call timings (seconds; tests may replace it)
+clock = time.perf_counter
+
 
 def _now() -> float:
-    import time
-
-    return time.perf_counter()
+    return clock()

@@ -1,0 +1,173 @@
+"""FlatCake's own Prometheus metrics: hits by medium, restores, reclaim, health, capacity
+(``docs/metrics.md``).
+
+SGLang's storage histograms (``sglang:prefetch_pgs`` ...) see only what ``get_stats()`` reports
+per call. This module exports FlatCake's cumulative view of one
+:class:`~flatcake.store.PageStore` under names prefixed ``flatcake_``.
+
+Why plain ``Counter``/``Gauge`` objects, updated from :meth:`PageStore.snapshot_stats`, and not
+a custom collector read at scrape time: with ``--enable-metrics`` SGLang runs
+``prometheus_client`` in multiprocess mode. The scheduler process, where FlatCake lives, writes
+its values into ``PROMETHEUS_MULTIPROC_DIR``; the HTTP server process serves ``/metrics`` from
+those files. A collector registered in the scheduler process would never be scraped. So the
+adapter refreshes these metrics from the store's counters when SGLang drains ``get_stats()``
+(once per scheduler step, rate-limited to :data:`REFRESH_S`): nothing is added to the I/O
+paths.
+
+``prometheus_client`` is optional: without it :func:`make_exporter` logs once and returns
+``None``; start-up never fails for it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Optional
+
+log = logging.getLogger("flatcake")
+
+#: prefix of every FlatCake metric name
+PREFIX = "flatcake_"
+#: labels of every FlatCake metric (``pool``: the SSD pool's file prefix, unique per
+#: namespace and instance; the ranks as SGLang labels its own storage metrics)
+BASE_LABELS = ("pool", "tp_rank", "pp_rank", "dp_rank")
+#: seconds between two refreshes from the store's counters at most (``get_stats`` cadence)
+REFRESH_S = 1.0
+#: the states a medium reports (``flatcake_medium_state``)
+MEDIUM_STATES = ("healthy", "degraded", "disabled")
+
+# counter name (without ``_total``) -> (help, [(snapshot key, extra label values)], extra label names)
+_COUNTERS = {
+    "hit_pages": ("Pages delivered by reads (hits served), per medium.",
+                  [("hit_pages_dram", ("dram",)), ("hit_pages_ssd", ("ssd",))], ("medium",)),
+    "pages_written": ("Pages stored by backups, per medium.",
+                      [("pages_written_dram", ("dram",)), ("pages_written_ssd", ("ssd",))], ("medium",)),
+    "restores": ("Merged SSD reads planned by FC-CIO (restores, paper section 3.3).", [("merged_reads", ())], ()),
+    "restore_seconds": ("Seconds spent in FC-CIO restores (first read to last scatter).", [("ssd_read_s", ())], ()),
+    "ssd_read_bytes": ("Bytes read from the SSD, over-read included.", [("ssd_read_bytes", ())], ()),
+    "ssd_over_read_bytes": ("Bytes read from the SSD and thrown away (bridged holes, alignment).",
+                            [("ssd_over_read_bytes", ())], ()),
+    "ssd_read_ops": ("SSD read requests issued.", [("ssd_read_ops", ())], ()),
+    "ssd_write_bytes": ("Bytes written to the SSD, headers and records included.", [("ssd_write_bytes", ())], ()),
+    "ssd_write_ops": ("SSD pwrite calls.", [("ssd_write_ops", ())], ()),
+    "dram_write_bytes": ("Bytes copied into DRAM slots.", [("dram_write_bytes", ())], ()),
+    "put_failures": ("Backup rounds that failed to store (no space, I/O error).", [("put_failures", ())], ()),
+    "get_failures": ("Reads that stopped early on a page that could not be read intact.",
+                     [("get_failures", ())], ()),
+    "reclaimed_scopes": ("Whole scopes freed (reclaim, clear, faults), per medium.",
+                         [("reclaimed_scopes_dram", ("dram",)), ("reclaimed_scopes_ssd", ("ssd",))], ("medium",)),
+    "reclaimed_bytes": ("Medium bytes the reclaimed scopes held.", [("reclaimed_bytes", ())], ()),
+    "quarantined_scopes": ("Scopes dropped because a page of theirs failed to read intact.",
+                           [("quarantined_scopes", ())], ()),
+    "io_errors": ("I/O errors logged (each counted, logged once per errno).", [("io_errors", ())], ()),
+    "checksum_failures": ("Chunks whose checksum or DRAM identity did not match on read.",
+                          [("checksum_failures", ())], ()),
+}
+
+# gauge name -> (help, extra label names)
+_GAUGES = {
+    "used_bytes": ("Bytes in use, per medium.", ("medium",)),
+    "capacity_bytes": ("Capacity in service, per medium (bytes).", ("medium",)),
+    "medium_state": ("1 for the medium's current state (healthy, degraded, disabled), 0 for the others.",
+                     ("medium", "state")),
+    "ssd_files_out_of_service": ("SSD pool files taken out of service (refused writes).", ()),
+    "pages_indexed": ("Pages the store currently serves.", ()),
+    "scopes": ("Scopes the store currently holds.", ()),
+}
+
+_families: dict = {}  # id(registry) -> (registry, {name: metric}): one set of families per registry
+_families_lock = threading.Lock()
+_missing_logged = False
+
+
+def _families_for(registry, prom) -> dict:
+    """The FlatCake metric families of ``registry`` (``None``: the default registry), created
+    once (creating a name twice in one registry raises in ``prometheus_client``)."""
+    reg = registry if registry is not None else prom.REGISTRY
+    with _families_lock:
+        got = _families.get(id(reg))
+        if got is not None and got[0] is reg:
+            return got[1]
+        fams = {}
+        for name, (doc, _, extra) in _COUNTERS.items():
+            fams[name] = prom.Counter(PREFIX + name, doc, BASE_LABELS + extra, registry=reg)
+        for name, (doc, extra) in _GAUGES.items():
+            fams[name] = prom.Gauge(PREFIX + name, doc, BASE_LABELS + extra, registry=reg,
+                                    multiprocess_mode="mostrecent")
+        _families[id(reg)] = (reg, fams)
+        return fams
+
+
+class FlatCakeMetrics:
+    """FlatCake's metrics for one store, labelled ``labels`` (see :data:`BASE_LABELS`).
+
+    Counters (``flatcake_*_total``) advance by the store's counter increments since the last
+    :meth:`update`, so they stay monotonic when the adapter reopens its store (call
+    :meth:`new_store` then). Gauges are set to the snapshot's current values.
+
+    Args:
+        labels: a value for each of :data:`BASE_LABELS` (missing ones are ``""``).
+        registry: a ``prometheus_client.CollectorRegistry``; ``None`` is the default registry
+            (the one SGLang's multiprocess ``/metrics`` reads through its files).
+
+    Raises:
+        ImportError: ``prometheus_client`` is not installed (use :func:`make_exporter`).
+    """
+
+    def __init__(self, labels: dict, registry=None):
+        import prometheus_client as prom
+
+        self.labels = tuple(str(labels.get(k, "")) for k in BASE_LABELS)
+        self._fams = _families_for(registry, prom)
+        self._last: dict = {}
+        self._lock = threading.Lock()
+
+    def new_store(self) -> None:
+        """The adapter opened a new store (its counters start at 0 again): count from there."""
+        with self._lock:
+            self._last = {}
+
+    def update(self, snap: dict) -> None:
+        """Bring every metric to ``snap`` (:meth:`PageStore.snapshot_stats`). Never raises
+        for a missing key (that metric is left as it was)."""
+        with self._lock:
+            for name, (_, series, _) in _COUNTERS.items():
+                for key, extra in series:
+                    v = snap.get(key)
+                    if v is None:
+                        continue
+                    delta = v - self._last.get(key, 0)
+                    child = self._fams[name].labels(*self.labels, *extra)  # exported from 0 on
+                    if delta > 0:
+                        child.inc(delta)
+                    self._last[key] = v
+            self._update_gauges(snap)
+
+    def _update_gauges(self, snap: dict) -> None:
+        fams, lab = self._fams, self.labels
+        for medium, st in (snap.get("media") or {}).items():
+            fams["used_bytes"].labels(*lab, medium).set(st.get("used_bytes", 0))
+            fams["capacity_bytes"].labels(*lab, medium).set(st.get("capacity_bytes", 0))
+            for state in MEDIUM_STATES:
+                fams["medium_state"].labels(*lab, medium, state).set(1 if st.get("state") == state else 0)
+            if medium == "ssd":
+                fams["ssd_files_out_of_service"].labels(*lab).set(len(st.get("files_out_of_service", ())))
+        for name in ("pages_indexed", "scopes"):
+            if name in snap:
+                fams[name].labels(*lab).set(snap[name])
+
+
+def make_exporter(labels: dict, registry=None) -> Optional[FlatCakeMetrics]:
+    """A :class:`FlatCakeMetrics`, or ``None`` when ``prometheus_client`` is not importable or
+    the metrics cannot be registered (logged once per process; never raises)."""
+    global _missing_logged
+    try:
+        return FlatCakeMetrics(labels, registry)
+    except Exception as e:  # ImportError, or a name clash with another exporter of the registry
+        if not _missing_logged:
+            _missing_logged = True
+            log.warning("flatcake: own metrics (flatcake_*) not exported: %s: %s", type(e).__name__, e)
+        return None
+
+
+__all__ = ["BASE_LABELS", "FlatCakeMetrics", "MEDIUM_STATES", "PREFIX", "REFRESH_S", "make_exporter"]

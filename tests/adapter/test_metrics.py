@@ -1,0 +1,223 @@
+"""Metrics: SGLang's per-call storage metrics (``get_stats``) and FlatCake's own ``flatcake_*``
+Prometheus metrics, against the real HiCacheStorage factory on host-pool doubles."""
+
+from __future__ import annotations
+
+import errno
+import os
+import sys
+import types
+from dataclasses import dataclass, field
+
+import pytest
+from flatcake_testkit import slots_of, two_requests_share, write_pages
+
+from flatcake import metrics
+from flatcake.adapter import storage
+
+GIB = 1 << 30
+
+
+@dataclass
+class _StorageMetrics:  # SGLang 0.5.23's dataclass; its module needs torchvision to import here
+    prefetch_pgs: list = field(default_factory=list)
+    backup_pgs: list = field(default_factory=list)
+    prefetch_bandwidth: list = field(default_factory=list)
+    backup_bandwidth: list = field(default_factory=list)
+
+
+@pytest.fixture
+def metered(make_backend, monkeypatch):
+    """``metered(**make_backend kwargs)`` -> (backend, pool) with storage metrics on (as
+    ``--enable-metrics`` sets them), a private Prometheus registry, and a clock that advances
+    0.5 s per reading (so every store call lasts exactly 0.5 s)."""
+    prom = pytest.importorskip("prometheus_client")
+    mod = types.ModuleType("sglang.srt.observability.metrics_collector")
+    mod.StorageMetrics = _StorageMetrics
+    monkeypatch.setitem(sys.modules, "sglang.srt.observability.metrics_collector", mod)
+    ticks = iter(range(10**6))
+    monkeypatch.setattr(storage, "clock", lambda: 0.5 * next(ticks))
+
+    def _make(**kw):
+        be, pool = make_backend(**kw)
+        be.storage_config.enable_storage_metrics = True
+        be.prometheus_registry = prom.CollectorRegistry()
+        return be, pool
+
+    return _make
+
+
+def _labels(be, **extra):
+    return {"pool": be.store.ssd.prefix, "tp_rank": "0", "pp_rank": "0", "dp_rank": "0", **extra}
+
+
+def _sample(be, name, **extra):
+    return be.prometheus_registry.get_sample_value(name, _labels(be, **extra))
+
+
+def test_backup_pgs_count_only_pages_this_call_wrote(metered):
+    be, pool = metered()
+    page_bytes = be.layout.geometry.page_bytes
+    keys = [f"b{i}" for i in range(8)]
+    assert write_pages(be, pool, keys[:4], range(4)) == [True] * 4
+    be.get_stats()  # drain
+    assert write_pages(be, pool, keys, range(8)) == [True] * 8  # the first 4 were already stored
+    m = be.get_stats()
+    assert m.backup_pgs == [4]
+    # 4 pages in 0.5 s, in SGLang's "GB/s" (2**30 bytes, as its Mooncake backend divides)
+    assert m.backup_bandwidth == [pytest.approx(4 * page_bytes / 0.5 / GIB)]
+    assert write_pages(be, pool, keys, range(8)) == [True] * 8  # all held: nothing written
+    assert be.get_stats().backup_pgs == []
+
+
+def test_a_failed_put_contributes_nothing(metered, monkeypatch):
+    be, pool = metered()
+    real = os.pwritev
+
+    def refuse(fd, bufs, off):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "pwritev", refuse)
+    assert write_pages(be, pool, ["f0", "f1"], [0, 1]) == [False, False]
+    m = be.get_stats()
+    assert (m.backup_pgs, m.backup_bandwidth) == ([], [])
+    assert _sample(be, "flatcake_put_failures_total") == be.flatcake_stats()["put_failures"] >= 1
+    monkeypatch.setattr(os, "pwritev", real)
+    assert write_pages(be, pool, ["f0", "f1", "f2"], [0, 1, 2]) == [True] * 3
+    assert be.get_stats().backup_pgs == [3]
+
+
+def test_prefetch_pgs_are_the_pages_read(metered):
+    be, pool = metered()
+    page_bytes = be.layout.geometry.page_bytes
+    keys = [f"p{i}" for i in range(8)]
+    write_pages(be, pool, keys[:6], range(6))
+    be.get_stats()
+    assert be.batch_get_v1(keys, slots_of(pool, range(20, 28))) == [True] * 6 + [False] * 2
+    assert be.batch_get_v1(["absent"], slots_of(pool, [30])) == [False]  # nothing read: no entry
+    got = be.batch_get(keys[:3], [pool.get_dummy_flat_data_page() for _ in range(3)])  # generic path
+    assert all(t is not None for t in got)
+    m = be.get_stats()
+    assert m.prefetch_pgs == [6, 3]
+    assert m.prefetch_bandwidth == [pytest.approx(6 * page_bytes / 0.5 / GIB), pytest.approx(3 * page_bytes / 0.5 / GIB)]
+
+
+def test_generic_batch_set_counts_only_new_pages(metered):
+    be, pool = metered()
+    write_pages(be, pool, ["g0"], [0])
+    be.get_stats()
+    write_pages(be, pool, ["g1"], [1])  # fills page 1 with g1's bytes
+    be.get_stats()
+    pages = [pool.get_data_page(i * pool.page_size) for i in range(3)]
+    assert be.batch_set(["g0", "g1", "g2"], pages) is True
+    assert be.get_stats().backup_pgs == [1]
+
+
+def test_flatcake_metrics_equal_the_store_counters(metered):
+    be, pool = metered(extra={"dram.capacity_bytes": 1 << 20, "placement.shared_refcount": 2})
+    shared, own = [f"s{i}" for i in range(4)], [f"o{i}" for i in range(3)]
+    two_requests_share(be.batch_exists, shared)  # a shared prompt: placed in DRAM
+    write_pages(be, pool, shared, range(4))
+    write_pages(be, pool, own, range(4, 7))
+    assert {be.store.medium_of(k) for k in shared} == {"dram"} and {be.store.medium_of(k) for k in own} == {"ssd"}
+    assert be.batch_get_v1(shared, slots_of(pool, range(10, 14))) == [True] * 4
+    assert be.batch_get_v1(own, slots_of(pool, range(20, 23))) == [True] * 3
+    be.get_stats()
+    st = be.flatcake_stats()
+    assert (st["hit_pages_dram"], st["hit_pages_ssd"]) == (4, 3)
+    assert _sample(be, "flatcake_hit_pages_total", medium="dram") == 4
+    assert _sample(be, "flatcake_hit_pages_total", medium="ssd") == 3
+    assert _sample(be, "flatcake_pages_written_total", medium="dram") == st["pages_written_dram"] == 4
+    assert _sample(be, "flatcake_pages_written_total", medium="ssd") == st["pages_written_ssd"] == 3
+    assert _sample(be, "flatcake_restores_total") == st["merged_reads"] >= 1
+    assert _sample(be, "flatcake_ssd_read_bytes_total") == st["ssd_read_bytes"] > 0
+    for medium in ("dram", "ssd"):
+        m = st["media"][medium]
+        assert _sample(be, "flatcake_used_bytes", medium=medium) == m["used_bytes"] > 0
+        assert _sample(be, "flatcake_capacity_bytes", medium=medium) == m["capacity_bytes"] > 0
+        assert _sample(be, "flatcake_medium_state", medium=medium, state="healthy") == 1
+        assert _sample(be, "flatcake_medium_state", medium=medium, state="degraded") == 0
+    assert _sample(be, "flatcake_pages_indexed") == st["pages_indexed"] == 7
+    assert _sample(be, "flatcake_quarantined_scopes_total") == 0
+
+
+def test_reclaim_and_refresh_cadence(metered):
+    be, pool = metered()
+    write_pages(be, pool, ["r0", "r1"], [0, 1])
+    be.get_stats()
+    be.clear()  # every scope reclaimed
+    be.get_stats()  # within REFRESH_S of the last refresh (the test clock moved 0.5 s): not yet
+    assert _sample(be, "flatcake_reclaimed_scopes_total", medium="ssd") == 0
+    be.refresh_metrics(force=True)
+    assert _sample(be, "flatcake_reclaimed_scopes_total", medium="ssd") == be.flatcake_stats()["reclaimed_scopes_ssd"] >= 1
+    assert _sample(be, "flatcake_pages_indexed") == 0
+
+
+def test_counters_stay_monotonic_when_the_store_is_reopened(metered):
+    be, pool = metered()
+    write_pages(be, pool, ["m0", "m1"], [0, 1])
+    be.batch_get_v1(["m0", "m1"], slots_of(pool, [5, 6]))
+    be.get_stats()
+    assert _sample(be, "flatcake_hit_pages_total", medium="ssd") == 2
+    be.register_mem_pool_host(pool)  # a new store: its counters restart at 0
+    be.batch_get_v1(["m0"], slots_of(pool, [7]))  # rebuilt from the pool's journal
+    be.refresh_metrics(force=True)
+    assert be.flatcake_stats()["hit_pages_ssd"] == 1
+    assert _sample(be, "flatcake_hit_pages_total", medium="ssd") == 3
+
+
+def test_metrics_off_exports_nothing(make_backend):
+    prom = pytest.importorskip("prometheus_client")
+    be, pool = make_backend()
+    be.prometheus_registry = prom.CollectorRegistry()
+    write_pages(be, pool, ["x0"], [0])
+    assert be.get_stats() is None
+    be.refresh_metrics(force=True)
+    assert not [m for m in be.prometheus_registry.collect() if m.name.startswith("flatcake_")]
+
+
+def test_without_prometheus_client_start_up_and_get_stats_still_work(metered, monkeypatch):
+    be, pool = metered()
+    monkeypatch.setitem(sys.modules, "prometheus_client", None)  # import fails
+    assert metrics.make_exporter({"pool": "p"}) is None
+    write_pages(be, pool, ["n0"], [0])
+    assert be.get_stats().backup_pgs == [1]
+    assert not list(be.prometheus_registry.collect())
+
+
+def test_metrics_reach_another_process_through_prometheus_multiprocess_files(tmp_path):
+    """SGLang's /metrics (``--enable-metrics``) is served by its HTTP process from the files the
+    scheduler process writes into PROMETHEUS_MULTIPROC_DIR: values FlatCake sets in one process
+    are read in another, as SGLang's MultiProcessCollector reads them."""
+    import subprocess
+
+    prom = pytest.importorskip("prometheus_client")
+    from prometheus_client import multiprocess
+
+    code = ("from flatcake.metrics import make_exporter\n"
+            "e = make_exporter({'pool': 'fc-test', 'tp_rank': 1})\n"
+            "e.update({'hit_pages_ssd': 5, 'pages_indexed': 3, 'media': {'ssd': {'state': 'degraded',"
+            " 'used_bytes': 10, 'capacity_bytes': 20, 'files_out_of_service': [2]}}})\n"
+            "e.update({'hit_pages_ssd': 7})\n")
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=120)
+    reg = prom.CollectorRegistry()
+    multiprocess.MultiProcessCollector(reg, path=str(tmp_path))
+    lab = {"pool": "fc-test", "tp_rank": "1", "pp_rank": "", "dp_rank": ""}
+    assert reg.get_sample_value("flatcake_hit_pages_total", {**lab, "medium": "ssd"}) == 7
+    assert reg.get_sample_value("flatcake_pages_indexed", lab) == 3
+    assert reg.get_sample_value("flatcake_medium_state", {**lab, "medium": "ssd", "state": "degraded"}) == 1
+    assert reg.get_sample_value("flatcake_ssd_files_out_of_service", lab) == 1
+
+
+def test_put_counted_counts_new_pages_only(ssd_dir):
+    from flatcake_testkit import fill_page, make_store
+
+    store, pool, lay = make_store(ssd_dir)
+    for i, k in enumerate(["c0", "c1", "c2", "c3"]):
+        fill_page(pool, i * pool.page_size, k)
+    assert store.put_counted(["c0", "c1"], lay, [0, 1]) == ([True, True], 2)
+    assert store.put_counted(["c0", "c1", "c2", "c3", "c3"], lay, [0, 1, 2, 3, 3]) == ([True] * 5, 2)  # c3 twice: once
+    assert store.put_counted(["c0"], lay, [0]) == ([True], 0)
+    store.close()
+    assert store.put_counted(["c9"], lay, [0]) == ([False], 0)
