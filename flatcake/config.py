@@ -21,6 +21,7 @@ SGLang adapter strips them (see :data:`SGLANG_RESERVED_KEYS`) before calling
 from __future__ import annotations
 
 import copy
+import os
 from pathlib import Path
 from typing import Any, Literal, Mapping, Optional
 
@@ -72,6 +73,31 @@ class ConfigError(ValueError):
     """Invalid FlatCake configuration; the message names the offending field."""
 
 
+def default_ssd_path(environ: Mapping[str, str] | None = None) -> str:
+    """The SSD pool directory used when ``ssd.path`` is not set: the per-user cache directory
+    ``$XDG_CACHE_HOME/flatcake``, or ``~/.cache/flatcake`` when ``XDG_CACHE_HOME`` is unset or
+    not absolute (the XDG base-directory rule). Never under ``/tmp``: ``/tmp`` is often a tmpfs
+    (RAM, no ``O_DIRECT``), is emptied at reboot (no warm restart) and is shared by every user.
+
+    Args:
+        environ: the environment to read (``os.environ`` when None).
+
+    Returns:
+        An absolute path (not created here).
+
+    Raises:
+        ValueError: neither ``XDG_CACHE_HOME`` nor a home directory is known.
+    """
+    env = os.environ if environ is None else environ
+    xdg = env.get("XDG_CACHE_HOME", "")
+    if xdg and os.path.isabs(xdg):
+        return os.path.join(xdg, "flatcake")
+    home = env.get("HOME") or os.path.expanduser("~")
+    if not home or not os.path.isabs(home):
+        raise ValueError("not set, and there is no home directory for the default ~/.cache/flatcake: set ssd.path")
+    return os.path.join(home, ".cache", "flatcake")
+
+
 class _Section(BaseModel):
     # strict: no silent coercion ("no" is not a bool, True is not a byte count, "8" is not 8)
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
@@ -95,7 +121,8 @@ class DramConfig(_WatermarkSection):
     capacity_bytes: int = Field(1 << 30, ge=0, description="bytes of the DRAM region")
     high_watermark: float = Field(0.95, gt=0, le=1, description="reclaim above this fill fraction")
     low_watermark: float = Field(0.85, ge=0, lt=1, description="reclaim down to this fill fraction")
-    pin: Literal["auto", "on", "off"] = "auto"
+    pin: Literal["auto", "on", "off"] = Field(
+        "off", description="page-lock the region: off (default), on (needs CUDA), auto (when CUDA is available)")
 
     @field_validator("capacity_bytes")
     @classmethod
@@ -108,13 +135,23 @@ class DramConfig(_WatermarkSection):
 class SsdConfig(_WatermarkSection):
     """SSD medium (paper §3.1/§3.3): a pool of preallocated single-extent files."""
 
-    path: str = Field("/tmp/flatcake-ssd", description="directory of the file pool")
-    file_bytes: int = Field(256 << 20, gt=0, description="bytes per preallocated file (one extent)")
-    max_files: int = Field(64, ge=1, description="files in the pool; capacity = max_files * file_bytes")
+    path: Optional[str] = Field(None, validate_default=True,
+                                description="directory of the file pool; None = default_ssd_path()")
+    file_bytes: int = Field(2 << 30, gt=0, description="bytes per preallocated file (one extent)")
+    max_files: int = Field(8, ge=1, description="files in the pool; capacity = max_files * file_bytes")
     high_watermark: float = Field(0.90, gt=0, le=1)
     low_watermark: float = Field(0.75, ge=0, lt=1)
     direct_io: Literal["auto", "on", "off"] = "auto"
     preallocate: bool = Field(True, description="fallocate each file when it is first used")
+
+    @field_validator("path")
+    @classmethod
+    def _resolve_path(cls, v: Optional[str]) -> str:
+        if v is None:
+            return default_ssd_path()
+        if not v.strip():
+            raise ValueError("must not be empty (leave it unset for the per-user cache directory)")
+        return v
 
     @field_validator("file_bytes")
     @classmethod

@@ -52,15 +52,22 @@ _SIZING_KEY = "k" * 80
 MIN_FILE_FILL = 0.9
 
 
+def round_extent_bytes(n: int, geometry: PageGeometry) -> int:
+    """Bytes of a pool file that an extent holding one round of ``n`` pages takes: extent
+    header + round header + page data + round record, each 4096-aligned (keys sized as
+    SGLang's 64-hex-digit keys, with room to spare)."""
+    return 2 * fmt.BLOCK + align_up(n * geometry.page_bytes) + align_up(
+        fmt.record_size([_SIZING_KEY] * n, geometry.layers))
+
+
 def max_round_pages(file_bytes: int, geometry: PageGeometry) -> int:
     """Pages of the largest round (at most :data:`MAX_ROUND_PAGES`) that fits one pool file of
     ``file_bytes`` bytes with its extent header, round header and record, and whose extents,
     packed back to back, fill at least :data:`MIN_FILE_FILL` of a file (a round of a bit more
     than a third of a file would leave a third of every file empty); 0 when not even one page
     fits."""
-    def extent_bytes(n: int) -> int:  # extent header + round header + data + record
-        return 2 * fmt.BLOCK + align_up(n * geometry.page_bytes) + align_up(
-            fmt.record_size([_SIZING_KEY] * n, geometry.layers))
+    def extent_bytes(n: int) -> int:
+        return round_extent_bytes(n, geometry)
 
     n = MAX_ROUND_PAGES
     while n > 0 and extent_bytes(n) > file_bytes:
@@ -198,4 +205,4 @@ class WritePath:
         ]
 
 
-__all__ = ["MAX_ROUND_PAGES", "WritePath", "max_round_pages"]
+__all__ = ["MAX_ROUND_PAGES", "WritePath", "max_round_pages", "round_extent_bytes"]

@@ -21,6 +21,14 @@ def ssd_dir(tmp_path):
 
 
 @pytest.fixture
+def allow_small_files(monkeypatch):
+    """Turn off the adapter's start-up refusal of pool files smaller than one 128-page round
+    (``flatcake.adapter.startup.check_file_bytes``, tested on its own) for tests that exercise
+    reclaim and oversized rounds with tiny pool files."""
+    monkeypatch.setattr("flatcake.adapter.storage.check_file_bytes", lambda cfg, geometry: None)
+
+
+@pytest.fixture
 def make_backend(ssd_dir):
     """Factory: ``make_backend(mla=..., layout=..., dtype=..., extra={...})`` -> (backend, pool),
     created by SGLang's ``StorageBackendFactory.create_backend('dynamic', ...)``."""

@@ -17,6 +17,7 @@ from flatcake.config import (
     ConfigError,
     FlatCakeConfig,
     config_from_extra,
+    default_ssd_path,
     load_config,
 )
 
@@ -69,12 +70,37 @@ def test_defaults_load_from_default_yaml_equal_model_defaults():
     assert cfg == FlatCakeConfig()
     assert cfg.node_id == 0
     assert cfg.dram.capacity_bytes == 1 << 30
-    assert cfg.ssd.file_bytes == 256 << 20
-    assert cfg.ssd.max_files == 64
+    assert cfg.ssd.file_bytes == 2 << 30  # one 128-page round of pages up to ~16 MiB fits
+    assert cfg.ssd.max_files == 8  # 16 GiB per rank
+    assert cfg.dram.pin == "off"  # pinning only when asked for
     assert cfg.cio.gap_bytes == 64 << 10
     assert cfg.cio.max_io_bytes == 16 << 20
     assert cfg.cio.engine == "auto"
     assert cfg.placement.l_agent_tokens == 32768
+
+
+def test_default_ssd_path_is_the_per_user_cache_directory_not_tmp(monkeypatch, tmp_path):
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    path = load_config().ssd.path
+    assert path == str(tmp_path / "home" / ".cache" / "flatcake")
+    assert not path.startswith("/tmp/flatcake")
+    monkeypatch.setenv("XDG_CACHE_HOME", "/srv/cache")
+    assert load_config().ssd.path == "/srv/cache/flatcake"
+    assert load_config(None, {"ssd.path": None}).ssd.path == "/srv/cache/flatcake"
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative/dir")  # not absolute: ignored, as XDG says
+    assert load_config().ssd.path == str(tmp_path / "home" / ".cache" / "flatcake")
+    assert load_config(None, {"ssd.path": "/nvme/fc"}).ssd.path == "/nvme/fc"
+
+
+def test_default_ssd_path_without_any_home_names_the_field():
+    with pytest.raises(ValueError, match="set ssd.path"):
+        default_ssd_path({"HOME": "relative"})
+
+
+def test_empty_ssd_path_is_refused_naming_the_field():
+    with pytest.raises(ConfigError, match="ssd.path: .*must not be empty"):
+        load_config(None, {"ssd.path": " "})
 
 
 def test_default_yaml_lists_every_key_with_its_default():
@@ -109,7 +135,7 @@ def test_yaml_overrides_defaults_and_keeps_the_rest(tmp_path):
     assert cfg.ssd.path == "/nvme/fc"
     assert cfg.ssd.max_files == 8
     assert cfg.cio.gap_bytes == 0
-    assert cfg.ssd.file_bytes == 256 << 20  # untouched default
+    assert cfg.ssd.file_bytes == 2 << 30  # untouched default
     assert cfg.dram.capacity_bytes == 1 << 30
 
 

@@ -4,8 +4,8 @@ The region is ``dram.capacity_bytes // page_bytes`` slots of one page each (a ba
 one namespace, so every page has the same size). A page is stored page-major in its slot:
 ``[layers, chunk_bytes]`` (see :mod:`flatcake.layout`). DRAM GVA offset = ``slot * page_bytes``.
 
-The region is pinned with ``cudaHostRegister`` when CUDA is available (so H2D copies are DMA),
-and is plain memory otherwise (``dram.pin``: auto/on/off). Slots are handed out and returned
+The region is pinned with ``cudaHostRegister`` when asked for (``dram.pin``: off by default; on;
+auto = when CUDA is available), so H2D copies are DMA, and is plain memory otherwise. Slots are handed out and returned
 under the store's writer lock (methods suffixed ``_locked``); reads need no lock because a slot
 is never reused while a reader holds its scope (see :mod:`flatcake.gva.index`).
 """

@@ -343,7 +343,7 @@ def test_pool_removed_behind_the_backend_stops_hits_and_recovers(make_backend):
     assert all(page_matches(pool, (30 + i) * pool.page_size, k) for i, k in enumerate(other))
 
 
-def test_oversized_round_fails_without_reclaiming_anything(make_backend):
+def test_oversized_round_fails_without_reclaiming_anything(make_backend, allow_small_files):
     be, pool = make_backend(extra={"ssd.file_bytes": 16 << 10, "ssd.max_files": 1, "ssd.high_watermark": 1.0,
                                    "ssd.low_watermark": 0.9})
     write_pages(be, pool, ["keep0", "keep1"], [0, 1])  # 16 KiB: extent and round headers, data, record

@@ -14,7 +14,7 @@ def put(be, pool, keys, first_page, prefix=()):
 
 
 @pytest.fixture
-def small_ssd(make_backend):
+def small_ssd(make_backend, allow_small_files):
     # 1 file of 128 KiB; a one-round scope of 1-3 pages (1.5 KiB each) takes 16-20 KiB
     # (extent header, round header, data, record: 4 KiB blocks), so 6-8 scopes fit
     return make_backend(pages=64, extra={"ssd.file_bytes": 128 << 10, "ssd.max_files": 1, "ssd.high_watermark": 0.7, "ssd.low_watermark": 0.5})
@@ -53,7 +53,7 @@ def test_reader_holding_scope_blocks_reclaim(small_ssd):
     assert scope.retired and be.batch_exists(first) == 0
 
 
-def test_pool_full_of_pinned_scopes_fails_the_put_and_keeps_old_pages(make_backend):
+def test_pool_full_of_pinned_scopes_fails_the_put_and_keeps_old_pages(make_backend, allow_small_files):
     be, pool = make_backend(pages=64, extra={"ssd.file_bytes": 128 << 10, "ssd.max_files": 1,
                                              "ssd.high_watermark": 1.0, "ssd.low_watermark": 0.9})
     pinned = []

@@ -1,0 +1,100 @@
+"""Start-up checks and the start-up line of the SGLang backend (``docs/configuration.md``).
+
+Run by :class:`flatcake.adapter.storage.FlatCakeStorage` when SGLang registers the host pool,
+i.e. once the page size in bytes is known:
+
+* :func:`check_file_bytes` refuses an ``ssd.file_bytes`` that cannot hold one full round of
+  :data:`~flatcake.config.STORAGE_BATCH_PAGES` pages (SGLang's backup batch), naming the field
+  and the smallest value that would do;
+* :func:`startup_line` is the one line each rank logs (logger ``flatcake``, INFO): resolved
+  capacity per medium, the I/O engine and the pool identity (directory and file prefix);
+* :func:`default_path_warning` is the WARNING logged when ``ssd.path`` was left to its default.
+
+Capacities are per rank: every FlatCake instance (one per TP rank, PP rank and DP replica) has
+its own DRAM region and its own SSD pool.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Optional
+
+from flatcake.config import STORAGE_BATCH_PAGES, ConfigError, FlatCakeConfig, default_ssd_path
+from flatcake.layout import PageGeometry
+from flatcake.write_path import round_extent_bytes
+
+_MIB = 1 << 20
+
+
+def min_file_bytes(geometry: PageGeometry) -> int:
+    """The smallest ``ssd.file_bytes`` (bytes, a multiple of 1 MiB) whose file holds one full
+    round of :data:`~flatcake.config.STORAGE_BATCH_PAGES` pages of ``geometry`` with its
+    headers and record."""
+    need = round_extent_bytes(STORAGE_BATCH_PAGES, geometry)
+    return -(-need // _MIB) * _MIB
+
+
+def check_file_bytes(cfg: FlatCakeConfig, geometry: PageGeometry) -> None:
+    """Refuse pool files too small for one full SGLang backup batch of these pages.
+
+    Args:
+        cfg: the validated configuration.
+        geometry: the page geometry of the registered host pool.
+
+    Raises:
+        ConfigError: ``ssd.file_bytes`` is below :func:`min_file_bytes`; the message names
+            ``ssd.file_bytes``, the page bytes and the smallest value that fits.
+    """
+    need = round_extent_bytes(STORAGE_BATCH_PAGES, geometry)
+    if cfg.ssd.file_bytes < need:
+        raise ConfigError(
+            f"ssd.file_bytes: {cfg.ssd.file_bytes} bytes cannot hold one round of {STORAGE_BATCH_PAGES} pages "
+            f"(SGLang's backup batch) of {geometry.page_bytes} bytes each plus headers ({need} bytes); "
+            f"set ssd.file_bytes to at least {min_file_bytes(geometry)}")
+
+
+def _size(n: int) -> str:
+    """``n`` bytes, with a GiB/MiB figure for the eye."""
+    if n >= 1 << 30:
+        return f"{n} bytes ({n / (1 << 30):.1f} GiB)"
+    return f"{n} bytes ({n / _MIB:.1f} MiB)"
+
+
+def startup_line(stats: Mapping, *, ssd_path: str, pool_prefix: str, file_bytes: int, max_files: int,
+                 pinned: bool, direct_io: bool, page_bytes: int, ranks: str, role: str) -> str:
+    """The one start-up line of a rank: what it serves and where.
+
+    Args:
+        stats: :meth:`flatcake.store.PageStore.snapshot_stats` (``media`` capacities in bytes,
+            ``cio_engine``).
+        ssd_path: the resolved ``ssd.path`` directory.
+        pool_prefix: the pool's file prefix in it (``fc-<16 hex>``: its identity).
+        file_bytes, max_files: the pool's file size (bytes) and file count.
+        pinned: whether the DRAM region is page-locked.
+        direct_io: whether pool files are opened with ``O_DIRECT``.
+        page_bytes: bytes of one page (all layers).
+        ranks: the rank this instance serves, e.g. ``"tp 0/8 pp 0/1 dp 0"``.
+        role: ``single``, ``writer`` or ``follower`` (MLA with TP > 1).
+
+    Returns:
+        One line, no newline.
+    """
+    media = stats.get("media", {})
+    dram = media.get("dram", {}).get("capacity_bytes", 0)
+    ssd = media.get("ssd", {}).get("capacity_bytes", 0)
+    return (f"flatcake: per-rank capacity ({ranks}, {role}): DRAM {_size(dram)}, "
+            f"{'pinned' if pinned else 'not pinned'}; SSD {_size(ssd)} = {max_files} x {file_bytes}-byte files, "
+            f"{'direct' if direct_io else 'buffered'} I/O; I/O engine {stats.get('cio_engine', '?')}; "
+            f"pool {pool_prefix} in {ssd_path}; page {page_bytes} bytes")
+
+
+def default_path_warning(ssd_path: str, environ: Optional[Mapping[str, str]] = None) -> Optional[str]:
+    """The warning to log when ``ssd.path`` is the per-user default
+    (:func:`flatcake.config.default_ssd_path`), else None."""
+    try:
+        default = default_ssd_path(environ)
+    except ValueError:
+        return None
+    if ssd_path != default:
+        return None
+    return (f"flatcake: ssd.path not set: the SSD pool is in the per-user cache directory {ssd_path}; "
+            "set ssd.path to a directory on the NVMe drive meant for the KV cache")
