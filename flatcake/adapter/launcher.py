@@ -36,6 +36,13 @@ The rewritten extra config is the user's mapping plus the keys in :data:`FLATCAK
 The FlatCake part is validated with :func:`flatcake.config.config_from_extra` so that a bad
 key fails here, naming the field, before SGLang starts any process.
 
+The same keys in SGLang's ``--config`` YAML (``hicache-storage-backend: flatcake``,
+``hicache-storage-backend-extra-config``, and the launcher's ``flatcake-config``) are rewritten
+the same way into a new YAML file that ``--config`` then names; every other key is kept
+(:mod:`flatcake.adapter.launch_config`). Warnings (stderr) when ``--enable-hierarchical-cache``
+is not set, or when a ``dynamic`` extra config naming FlatCake lacks
+``"hicache_storage_pass_prefix_keys": true`` (placement then cannot see sessions).
+
 Any other backend (``file``, ``dynamic``, ...) passes through byte for byte (``--flatcake-config``
 with another backend is an error).
 
@@ -52,6 +59,7 @@ import json
 import os
 import runpy
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -166,6 +174,94 @@ def merge_extra_config(user: dict[str, Any], flatcake_config: Optional[str]) -> 
     return merged
 
 
+@dataclass
+class BackendFlags:
+    """The backend flags of a command line, as argparse takes them (the last one wins).
+
+    Attributes:
+        rest: the arguments without ``--hicache-storage-backend``, its extra config and
+            ``--flatcake-config`` (order kept).
+        backend: the last backend name, or None.
+        extra_value: the last extra-config value (inline JSON or ``@file``), or None.
+        flatcake_config: the last ``--flatcake-config`` value, or None.
+        backend_at: index in ``rest`` where the first backend flag stood, or None.
+        extra_at: index in ``rest`` where the first extra-config flag stood, or None.
+    """
+
+    rest: list[str]
+    backend: Optional[str] = None
+    extra_value: Optional[str] = None
+    flatcake_config: Optional[str] = None
+    backend_at: Optional[int] = None
+    extra_at: Optional[int] = None
+
+
+def scan_backend_flags(argv: Sequence[str]) -> Optional[BackendFlags]:
+    """Split the backend flags off ``argv`` (each as ``--flag value`` or ``--flag=value``; a bare
+    ``--`` ends the options).
+
+    Returns:
+        The flags, or None when an SGLang backend flag has no value and the backend is not
+        ``flatcake`` (SGLang's parser reports it).
+
+    Raises:
+        LaunchError: a flag without value where the backend is ``flatcake``, or a
+            ``--flatcake-config`` without value.
+    """
+    argv = list(argv)
+    out = BackendFlags(rest=[])
+    i = 0
+    while i < len(argv):
+        if argv[i] == "--":  # everything after a bare "--" is positional; leave it alone
+            out.rest.extend(argv[i:])
+            break
+        if argv[i] in (BACKEND_FLAG, EXTRA_FLAG) and i + 1 >= len(argv):
+            if out.backend == FLATCAKE_BACKEND:
+                raise LaunchError(f"{argv[i]}: expected a value")
+            return None
+        # EXTRA_FLAG starts with BACKEND_FLAG, so test it first; "=" separates exact matches.
+        got = _take_flag(argv, i, EXTRA_FLAG)
+        if got is not None:
+            out.extra_value, i = got
+            out.extra_at = len(out.rest) if out.extra_at is None else out.extra_at
+            continue
+        got = _take_flag(argv, i, CONFIG_FLAG)
+        if got is not None:
+            out.flatcake_config, i = got
+            continue
+        got = _take_flag(argv, i, BACKEND_FLAG)
+        if got is not None:
+            out.backend, i = got
+            out.backend_at = len(out.rest) if out.backend_at is None else out.backend_at
+            continue
+        out.rest.append(argv[i])
+        i += 1
+    return out
+
+
+def flatcake_extra(user: Any, flatcake_config: Optional[str]) -> dict[str, Any]:
+    """The validated extra config of the ``flatcake`` backend.
+
+    Args:
+        user: the user's extra config: None, a mapping (from a ``--config`` YAML), or an
+            extra-config string (inline JSON or ``@file``).
+        flatcake_config: the ``--flatcake-config`` value, or None.
+
+    Raises:
+        LaunchError: as :func:`load_extra_config`, :func:`merge_extra_config` and
+            :func:`validate_flatcake_extra`.
+    """
+    if user is None:
+        user = {}
+    elif isinstance(user, str):
+        user = load_extra_config(user)
+    elif not isinstance(user, dict):
+        raise LaunchError(f"{EXTRA_FLAG}: must be a mapping, JSON or @file, got {type(user).__name__}")
+    merged = merge_extra_config(dict(user), flatcake_config)
+    validate_flatcake_extra(merged)
+    return merged
+
+
 def rewrite_argv(argv: Sequence[str]) -> list[str]:
     """Rewrite an SGLang command line that selects ``flatcake`` into one SGLang accepts.
 
@@ -177,6 +273,7 @@ def rewrite_argv(argv: Sequence[str]) -> list[str]:
         is not ``flatcake``, ``argv`` is returned unchanged. Otherwise the backend becomes
         ``dynamic`` at the position of its first occurrence, immediately followed by
         ``--hicache-storage-backend-extra-config <merged JSON>``; other arguments keep their order.
+        (Backend keys in SGLang's ``--config`` YAML: :mod:`flatcake.adapter.launch_config`.)
 
     Raises:
         LaunchError: ``--flatcake-config`` without the flatcake backend, a flag without value,
@@ -184,50 +281,17 @@ def rewrite_argv(argv: Sequence[str]) -> list[str]:
             :func:`flatcake.config.config_from_extra` rejects (message names the field).
     """
     argv = list(argv)
-    rest: list[str] = []
-    backend: Optional[str] = None
-    extra_value: Optional[str] = None
-    flatcake_config: Optional[str] = None
-    insert_at: Optional[int] = None
-    i = 0
-    while i < len(argv):
-        if argv[i] == "--":  # everything after a bare "--" is positional; leave it alone
-            rest.extend(argv[i:])
-            break
-        if argv[i] in (BACKEND_FLAG, EXTRA_FLAG) and i + 1 >= len(argv):
-            dangling = argv[i]  # a SGLang flag without value: SGLang reports it, unless ours
-            if backend == FLATCAKE_BACKEND:
-                raise LaunchError(f"{dangling}: expected a value")
-            return argv
-        # EXTRA_FLAG starts with BACKEND_FLAG, so test it first; "=" separates exact matches.
-        got = _take_flag(argv, i, EXTRA_FLAG)
-        if got is not None:
-            extra_value, i = got
-            continue
-        got = _take_flag(argv, i, CONFIG_FLAG)
-        if got is not None:
-            flatcake_config, i = got
-            continue
-        got = _take_flag(argv, i, BACKEND_FLAG)
-        if got is not None:
-            backend, i = got
-            if insert_at is None:
-                insert_at = len(rest)
-            continue
-        rest.append(argv[i])
-        i += 1
-
-    if backend != FLATCAKE_BACKEND:
-        if flatcake_config is not None:
-            raise LaunchError(f"{CONFIG_FLAG} needs {BACKEND_FLAG} {FLATCAKE_BACKEND} (got {backend!r})")
+    flags = scan_backend_flags(argv)
+    if flags is None:
         return argv
-
-    user = load_extra_config(extra_value) if extra_value is not None else {}
-    merged = merge_extra_config(user, flatcake_config)
-    validate_flatcake_extra(merged)
-    assert insert_at is not None
+    if flags.backend != FLATCAKE_BACKEND:
+        if flags.flatcake_config is not None:
+            raise LaunchError(f"{CONFIG_FLAG} needs {BACKEND_FLAG} {FLATCAKE_BACKEND} (got {flags.backend!r})")
+        return argv
+    merged = flatcake_extra(flags.extra_value, flags.flatcake_config)
+    at = flags.backend_at
     new = [BACKEND_FLAG, "dynamic", EXTRA_FLAG, json.dumps(merged, sort_keys=True)]
-    return rest[:insert_at] + new + rest[insert_at:]
+    return flags.rest[:at] + new + flags.rest[at:]
 
 
 def validate_flatcake_extra(extra: dict[str, Any]) -> None:
@@ -372,13 +436,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         0 after ``--dry-run`` or when SGLang returns normally; 2 on a launcher error. SGLang's
         own ``SystemExit`` propagates unchanged.
     """
+    from flatcake.adapter.launch_config import effective_backend, launch_warnings, rewrite_command
+
     args = list(sys.argv[1:] if argv is None else argv)
     cut = args.index("--") if "--" in args else len(args)
+    written = None
     try:
         head, switches = _take_switches(args[:cut])
-        new_argv = rewrite_argv(head + args[cut:])
+        new_argv, written = rewrite_command(head + args[cut:])
+        if written is not None:
+            print(f"{_PROG}: --config rewritten into {written} (backend keys only)", file=sys.stderr)
         env: dict[str, str] = {}
-        if flag_value(head, BACKEND_FLAG) == FLATCAKE_BACKEND:
+        if effective_backend(head + args[cut:]) == FLATCAKE_BACKEND:
             if not switches[NO_BUFFER_ONLY_FLAG]:
                 new_argv, note = with_buffer_only(new_argv)
                 print(f"{_PROG}: {note}", file=sys.stderr)
@@ -389,17 +458,27 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(f"{_PROG}: environment " + " ".join(f"{k}={v}" for k, v in env.items()), file=sys.stderr)
         elif switches[NO_BUFFER_ONLY_FLAG] or switches[NO_PLUGIN_FLAG]:
             raise LaunchError(f"{NO_BUFFER_ONLY_FLAG} and {NO_PLUGIN_FLAG} need {BACKEND_FLAG} {FLATCAKE_BACKEND}")
+        for warning in launch_warnings(new_argv):
+            print(f"{_PROG}: warning: {warning}", file=sys.stderr)
     except LaunchError as e:
         print(f"{_PROG}: error: {e}", file=sys.stderr)
+        if written is not None:
+            os.unlink(written)
         return 2
     if switches[DRY_RUN_FLAG]:
         print(json.dumps(new_argv))
         return 0
     os.environ.update(env)
     sys.argv = ["sglang.launch_server", *new_argv]
-    runpy.run_module("sglang.launch_server", run_name="__main__", alter_sys=True)
+    try:
+        runpy.run_module("sglang.launch_server", run_name="__main__", alter_sys=True)
+    finally:
+        if written is not None:  # SGLang read it in this process, before starting any other
+            os.unlink(written)
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # run the importable module's main: launch_config imports it by name
+    from flatcake.adapter.launcher import main as _main
+
+    sys.exit(_main())
