@@ -8,7 +8,9 @@ i.e. once the page size in bytes is known:
   and the smallest value that would do;
 * :func:`startup_line` is the one line each rank logs (logger ``flatcake``, INFO): resolved
   capacity per medium, the I/O engine and the pool identity (directory and file prefix);
-* :func:`default_path_warning` is the WARNING logged when ``ssd.path`` was left to its default.
+* :func:`default_path_warning` is the WARNING logged when ``ssd.path`` was left to its default;
+* :func:`prefix_keys_warning` is the WARNING logged when SGLang runs with
+  ``hicache_storage_pass_prefix_keys`` off (placement then cannot see sessions).
 
 Capacities are per rank: every FlatCake instance (one per TP rank, PP rank and DP replica) has
 its own DRAM region and its own SSD pool.
@@ -98,3 +100,35 @@ def default_path_warning(ssd_path: str, environ: Optional[Mapping[str, str]] = N
         return None
     return (f"flatcake: ssd.path not set: the SSD pool is in the per-user cache directory {ssd_path}; "
             "set ssd.path to a directory on the NVMe drive meant for the KV cache")
+
+
+def sglang_passes_prefix_keys() -> Optional[bool]:
+    """Whether this SGLang process runs with ``hicache_storage_pass_prefix_keys: true``: read
+    from its server arguments (``sglang.srt.runtime_context.get_memory()``, the record SGLang's
+    radix cache reads the flag from; SGLang removes the key from the extra config before the
+    backend sees it). None when unknown: not inside an SGLang server, or an extra config that
+    cannot be read here."""
+    try:
+        from sglang.srt.runtime_context import get_memory
+
+        raw = get_memory().hicache_storage_backend_extra_config
+    except Exception:  # noqa: BLE001 - no SGLang server in this process
+        return None
+    if not raw:
+        return False
+    from flatcake.adapter.launcher import LaunchError, load_extra_config
+
+    try:
+        extra = load_extra_config(str(raw))
+    except LaunchError:
+        return None
+    return extra.get("hicache_storage_pass_prefix_keys") is True
+
+
+def prefix_keys_warning() -> Optional[str]:
+    """The warning to log when SGLang passes no prefix keys (:func:`sglang_passes_prefix_keys`
+    is False), else None."""
+    if sglang_passes_prefix_keys() is not False:
+        return None
+    return ("flatcake: SGLang runs with hicache_storage_pass_prefix_keys off (extra config): it passes no "
+            "prefix keys and write-time placement cannot see sessions; add \"hicache_storage_pass_prefix_keys\": true")

@@ -30,7 +30,7 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageC
 from flatcake.config import FlatCakeConfig, config_from_extra
 from flatcake.errorlog import ErrorLog
 from flatcake.layout import KvPageLayout, UnsupportedLayoutError
-from flatcake.adapter.startup import check_file_bytes, default_path_warning, startup_line
+from flatcake.adapter.startup import check_file_bytes, default_path_warning, prefix_keys_warning, startup_line
 from flatcake.media.pool_dir import ensure_pool_dir
 from flatcake.metrics import REFRESH_S, make_exporter
 from flatcake.store import MediumSummary, PageStore
@@ -103,7 +103,6 @@ class FlatCakeStorage(HiCacheStorage):
         self._exporter = None
         self._exporter_tried = False
         self._metrics_refreshed_at = float("-inf")
-        self._warned_no_prefix = False
 
     # ------------------------------------------------------------------ registration
     def register_mem_pool_host(self, mem_pool_host) -> None:
@@ -139,28 +138,19 @@ class FlatCakeStorage(HiCacheStorage):
         self._log_startup(role, instance)
 
     def _log_startup(self, role: str, instance: str) -> None:
-        """Log this rank's start-up line (INFO) and, when ``ssd.path`` is the per-user default,
-        a WARNING (:mod:`flatcake.adapter.startup`); the namespace goes to DEBUG."""
+        """Log this rank's start-up line (INFO) and a WARNING each when ``ssd.path`` is the
+        per-user default or SGLang passes no prefix keys (:mod:`flatcake.adapter.startup`); the
+        namespace goes to DEBUG."""
         sc, store = self.storage_config, self.store
         ranks = (f"tp {sc.tp_rank}/{sc.tp_size} pp {sc.pp_rank}/{sc.pp_size} {instance}" if sc else instance)
         log.info("%s", startup_line(
             store.snapshot_stats(), ssd_path=self.cfg.ssd.path, pool_prefix=store.ssd.prefix,
             file_bytes=self.cfg.ssd.file_bytes, max_files=self.cfg.ssd.max_files, pinned=store.dram.pinned,
             direct_io=store.ssd.direct_io, page_bytes=self.layout.geometry.page_bytes, ranks=ranks, role=role))
-        warning = default_path_warning(self.cfg.ssd.path)
-        if warning:
-            log.warning("%s", warning)
+        for warning in (default_path_warning(self.cfg.ssd.path), prefix_keys_warning()):
+            if warning:
+                log.warning("%s", warning)
         log.debug("flatcake: namespace %s: %s", self.namespace, store.describe())
-
-    def _prefix_keys(self, extra_info: Optional[HiCacheStorageExtraInfo]) -> Optional[list]:
-        """The call's ``prefix_keys``; the first call without them logs one WARNING (SGLang runs
-        with ``hicache_storage_pass_prefix_keys`` off, so placement cannot see sessions)."""
-        prefix = _prefix(extra_info)
-        if prefix is None and not self._warned_no_prefix:
-            self._warned_no_prefix = True
-            log.warning("flatcake: SGLang passes no prefix keys (extra config hicache_storage_pass_prefix_keys "
-                        "is off): write-time placement cannot see sessions; set it to true")
-        return prefix
 
     def _closed(self) -> bool:
         return self.store is not None and self.store.closed
@@ -207,7 +197,7 @@ class FlatCakeStorage(HiCacheStorage):
         try:
             if not self._ready():
                 return 0
-            return self.store.leading_run(keys, self._prefix_keys(extra_info))
+            return self.store.leading_run(keys, _prefix(extra_info))
         except Exception as e:
             self.errors("batch_exists", e)
             return 0
@@ -251,7 +241,7 @@ class FlatCakeStorage(HiCacheStorage):
             if ids is None:
                 return [False] * len(keys)
             t0 = _now()
-            out, written = self.store.put_counted(keys, self.layout, ids, self._prefix_keys(extra_info))
+            out, written = self.store.put_counted(keys, self.layout, ids, _prefix(extra_info))
             self._note_metric(self._backup_pgs, self._backup_bw, written, t0)  # pages written by this call
             return out
         except Exception as e:

@@ -1,19 +1,20 @@
 """Start-up of the SGLang backend with real page sizes: pool files too small for one 128-page
 round are refused naming ``ssd.file_bytes``; each rank logs one line with its capacities, I/O
 engine and pool; the per-user default ``ssd.path`` (never under /tmp) is announced; a server
-without prefix keys is told once that placement cannot see sessions."""
+run without prefix keys is told once per rank that placement cannot see sessions."""
 
 from __future__ import annotations
 
+import json
 import logging
+from types import SimpleNamespace
 
 import pytest
 import torch
-from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo
 
 from flatcake.adapter.host_pool import MHAHostPoolDouble
 from flatcake.adapter.startup import check_file_bytes, min_file_bytes
-from flatcake.config import ConfigError, load_config
+from flatcake.config import FLATCAKE_EXTRA, ConfigError, load_config
 from flatcake.layout import PageGeometry
 
 #: Llama-3-70B at TP 1, bf16, 64-token pages: 80 layers x 8 KV heads x 128 dims x (K, V) x 2 bytes
@@ -22,6 +23,9 @@ LLAMA70B_PAGE = dict(page_size=64, layer_num=80, head_num=8, head_dim=128)
 #: Qwen2.5-7B at TP 1, bf16, 64-token pages: 28 layers x 4 KV heads x 128 dims x 2 x 2 bytes
 #: = 56 KiB per token, 3.5 MiB per page; a 128-page round is 448 MiB
 QWEN7B_PAGE = dict(page_size=64, layer_num=28, head_num=4, head_dim=128)
+
+
+DYNAMIC_NO_PREFIX = {k: v for k, v in FLATCAKE_EXTRA.items() if k != "hicache_storage_pass_prefix_keys"}
 
 
 def pool_of(page: dict, pages: int = 2) -> MHAHostPoolDouble:
@@ -90,13 +94,28 @@ def test_default_ssd_path_is_the_user_cache_and_is_announced(make_backend, tmp_p
     assert be.store.dram.pinned is False  # pinning is off unless asked for
 
 
-def test_calls_without_prefix_keys_warn_once_that_placement_cannot_see_sessions(make_backend, caplog):
-    be, pool = make_backend()
+@pytest.mark.parametrize("extra, warned", [
+    (None, True),  # no extra config at all: SGLang's default is off
+    (json.dumps({**DYNAMIC_NO_PREFIX}), True),
+    (json.dumps({**DYNAMIC_NO_PREFIX, "hicache_storage_pass_prefix_keys": False}), True),
+    (json.dumps(FLATCAKE_EXTRA), False),
+])
+def test_server_without_prefix_keys_warns_once_per_rank(extra, warned, make_backend, monkeypatch, caplog):
+    import sglang.srt.runtime_context as rc
+
+    monkeypatch.setattr(rc, "get_memory", lambda: SimpleNamespace(hicache_storage_backend_extra_config=extra))
     caplog.set_level(logging.WARNING, logger="flatcake")
-    be.batch_exists(["a", "b"], HiCacheStorageExtraInfo(prefix_keys=["p"]))
-    assert not [m for m in flatcake_lines(caplog) if "prefix keys" in m]
-    be.batch_exists(["a", "b"])
-    be.batch_exists(["a", "b"], HiCacheStorageExtraInfo(prefix_keys=None))
-    lines = [m for m in flatcake_lines(caplog) if "prefix keys" in m]
-    assert len(lines) == 1
-    assert "hicache_storage_pass_prefix_keys" in lines[0] and "cannot see sessions" in lines[0]
+    make_backend()
+    lines = [m for m in flatcake_lines(caplog) if "hicache_storage_pass_prefix_keys off" in m]
+    assert len(lines) == (1 if warned else 0)
+    if warned:
+        assert "write-time placement cannot see sessions" in lines[0]
+
+
+def test_outside_an_sglang_server_the_prefix_key_setting_is_unknown(make_backend, caplog):
+    from flatcake.adapter.startup import sglang_passes_prefix_keys
+
+    assert sglang_passes_prefix_keys() is None  # SGLang's runtime context is not published here
+    caplog.set_level(logging.WARNING, logger="flatcake")
+    make_backend()
+    assert not [m for m in flatcake_lines(caplog) if "prefix_keys" in m]
