@@ -149,7 +149,7 @@ def rewrite_command(argv: Sequence[str]) -> tuple[list[str], Optional[str]]:
         fc_config = cli.flatcake_config if cli.flatcake_config is not None else sc.value(CONFIG_FLAG)
         merged = flatcake_extra(user, None if fc_config is None else str(fc_config))
     written = _write_yaml(_rewritten_data(sc, flatcake, merged))
-    rest = list(cli.rest) if flatcake else [a for a in argv]
+    rest = list(cli.rest) if flatcake else list(argv)
     rest[rest.index(SGLANG_CONFIG_FLAG) + 1] = written
     if flatcake:
         text = json.dumps(merged, sort_keys=True)
