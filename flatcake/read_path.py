@@ -158,7 +158,8 @@ class ReadPath:
         it can come from a file recreated since (the read would have found the new generation)."""
         rep = self.cio.restore(self.chunk_batch(entries, ssd_pos, page_ids), layout)
         self.stats.add(ssd_read_bytes=rep.bytes_read, ssd_over_read_bytes=rep.bytes_over_read,
-                       ssd_read_ops=rep.io_requests, merged_reads=rep.merged_reads, ssd_read_s=rep.read_s)
+                       ssd_read_ops=rep.io_requests, ssd_restores=1, merged_reads=rep.merged_reads,
+                       ssd_read_s=rep.read_s)
         bad = min(rep.failed_tags) if rep.failed_tags else len(entries)
         gen = self.ssd.generation_of
         stale = next((i for i in ssd_pos if gen(self.file_of(entries[i])) != entries[i].generation), bad)

@@ -23,7 +23,8 @@ class StoreStats:
         ssd_read_bytes: bytes read from the SSD (merged reads, over-read included).
         ssd_read_ops: read requests issued (a merged read is cut into pieces read in parallel).
         ssd_over_read_bytes: bridged holes and alignment slack read and thrown away.
-        merged_reads: merged reads planned by FC-CIO.
+        ssd_restores: FC-CIO restores (one per read call that needed SSD pages).
+        merged_reads: merged reads planned by FC-CIO (contiguous ranges; a restore plans one or more).
         ssd_read_s: seconds spent in FC-CIO restores (first read to last scatter).
         ssd_write_bytes, ssd_write_ops: bytes and ``pwrite`` calls to the SSD (headers included).
         dram_write_bytes: bytes copied into DRAM slots.
@@ -41,6 +42,7 @@ class StoreStats:
     ssd_read_bytes: int = 0
     ssd_read_ops: int = 0
     ssd_over_read_bytes: int = 0
+    ssd_restores: int = 0
     merged_reads: int = 0
     ssd_read_s: float = 0.0
     ssd_write_bytes: int = 0

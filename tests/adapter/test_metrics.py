@@ -129,7 +129,8 @@ def test_flatcake_metrics_equal_the_store_counters(metered):
     assert _sample(be, "flatcake_hit_pages_total", medium="ssd") == 3
     assert _sample(be, "flatcake_pages_written_total", medium="dram") == st["pages_written_dram"] == 4
     assert _sample(be, "flatcake_pages_written_total", medium="ssd") == st["pages_written_ssd"] == 3
-    assert _sample(be, "flatcake_restores_total") == st["merged_reads"] >= 1
+    assert _sample(be, "flatcake_restores_total") == st["ssd_restores"] == 1  # one read call needed the SSD
+    assert _sample(be, "flatcake_merged_reads_total") == st["merged_reads"] >= 1
     assert _sample(be, "flatcake_ssd_read_bytes_total") == st["ssd_read_bytes"] > 0
     for medium in ("dram", "ssd"):
         m = st["media"][medium]
@@ -221,3 +222,18 @@ def test_put_counted_counts_new_pages_only(ssd_dir):
     assert store.put_counted(["c0"], lay, [0]) == ([True], 0)
     store.close()
     assert store.put_counted(["c9"], lay, [0]) == ([False], 0)
+
+
+def test_restores_count_read_calls_not_merged_reads(metered):
+    """``flatcake_restores_total`` counts FC-CIO restores (one per read call that needs the SSD);
+    the ranges the restores plan are ``flatcake_merged_reads_total``: two pages written by two
+    puts lie in two rounds, apart on the SSD, so one restore of both plans two merged reads when
+    no hole is bridged."""
+    be, pool = metered(extra={"cio.gap_bytes": 0})
+    write_pages(be, pool, ["x0"], [0])
+    write_pages(be, pool, ["y0"], [1])
+    assert be.batch_get_v1(["x0", "y0"], slots_of(pool, [10, 11])) == [True, True]
+    be.refresh_metrics(force=True)
+    st = be.flatcake_stats()
+    assert _sample(be, "flatcake_restores_total") == st["ssd_restores"] == 1
+    assert _sample(be, "flatcake_merged_reads_total") == st["merged_reads"] == 2
