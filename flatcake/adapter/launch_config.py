@@ -56,8 +56,8 @@ class ServerConfig:
 
 def load_server_config(argv: Sequence[str]) -> Optional[ServerConfig]:
     """The ``--config`` YAML of ``argv``, or None when there is none or SGLang would refuse it
-    (given twice, no path, not ``.yaml``/``.yml``, unreadable, not a mapping: SGLang then
-    reports it)."""
+    (given twice, no path, not ``.yaml``/``.yml``, unreadable or not UTF-8, not a mapping:
+    SGLang then reports it)."""
     argv = list(argv)
     at = [i for i, a in enumerate(argv) if a == SGLANG_CONFIG_FLAG]
     if len(at) != 1 or at[0] + 1 >= len(argv):
@@ -67,7 +67,7 @@ def load_server_config(argv: Sequence[str]) -> Optional[ServerConfig]:
         return None
     try:
         data = yaml.safe_load(Path(path).read_text())
-    except (OSError, yaml.YAMLError):
+    except (OSError, ValueError, yaml.YAMLError):  # ValueError: not UTF-8 (UnicodeDecodeError)
         return None
     data = {} if data is None else data
     if not isinstance(data, dict):

@@ -462,9 +462,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(f"{_PROG}: warning: {warning}", file=sys.stderr)
     except LaunchError as e:
         print(f"{_PROG}: error: {e}", file=sys.stderr)
-        if written is not None:
-            os.unlink(written)
+        _remove(written)
         return 2
+    except BaseException:
+        _remove(written)  # an unexpected fault: no rewritten YAML left behind
+        raise
     if switches[DRY_RUN_FLAG]:
         print(json.dumps(new_argv))
         return 0
@@ -473,9 +475,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         runpy.run_module("sglang.launch_server", run_name="__main__", alter_sys=True)
     finally:
-        if written is not None:  # SGLang read it in this process, before starting any other
-            os.unlink(written)
+        _remove(written)  # SGLang read it in this process, before starting any other
     return 0
+
+
+def _remove(path: Optional[str]) -> None:
+    """Remove the launcher's rewritten ``--config`` YAML, if any (already gone is fine)."""
+    if path is not None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
 
 
 if __name__ == "__main__":  # run the importable module's main: launch_config imports it by name

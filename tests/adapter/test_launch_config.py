@@ -162,6 +162,26 @@ def test_the_rewritten_file_lives_while_sglang_starts_and_is_removed_after(tmp_p
     assert not Path(seen["path"]).exists()
 
 
+def test_an_unexpected_fault_after_the_rewrite_leaves_no_yaml_behind(tmp_path, monkeypatch, own_tempdir):
+    cfg = write_yaml(tmp_path / "s.yaml", {**OTHERS, "hicache-storage-backend": "flatcake"})
+
+    def boom(argv):
+        raise RuntimeError("unexpected")
+
+    monkeypatch.setattr(launcher, "with_buffer_only", boom)
+    with pytest.raises(RuntimeError):
+        main(["--config", cfg])
+    assert list(own_tempdir.iterdir()) == []
+
+
+def test_a_config_file_that_is_not_utf8_is_left_to_sglang(tmp_path, capsys, own_tempdir):
+    cfg = tmp_path / "s.yaml"
+    cfg.write_bytes(b"model-path: m\nhicache-storage-backend: file\n\xff\xfe: x\n")
+    argv, err, rc = dry_run(capsys, "--config", str(cfg))
+    assert rc == 0 and argv == ["--config", str(cfg)], err
+    assert list(own_tempdir.iterdir()) == []
+
+
 # ---- warnings -----------------------------------------------------------------------------------
 
 NO_HICACHE = "--enable-hierarchical-cache is not set: SGLang ignores --hicache-storage-backend without it"
