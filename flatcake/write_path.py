@@ -66,15 +66,12 @@ def max_round_pages(file_bytes: int, geometry: PageGeometry) -> int:
     packed back to back, fill at least :data:`MIN_FILE_FILL` of a file (a round of a bit more
     than a third of a file would leave a third of every file empty); 0 when not even one page
     fits."""
-    def extent_bytes(n: int) -> int:
-        return round_extent_bytes(n, geometry)
-
     n = MAX_ROUND_PAGES
-    while n > 0 and extent_bytes(n) > file_bytes:
+    while n > 0 and round_extent_bytes(n, geometry) > file_bytes:
         n -= 1
     while n > 1:
-        per_file = file_bytes // extent_bytes(n)
-        if per_file * extent_bytes(n) >= MIN_FILE_FILL * file_bytes:
+        extent = round_extent_bytes(n, geometry)
+        if file_bytes // extent * extent >= MIN_FILE_FILL * file_bytes:
             break
         n -= 1
     return n

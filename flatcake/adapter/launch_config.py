@@ -29,7 +29,8 @@ from typing import Any, Optional, Sequence
 import yaml
 
 from flatcake.adapter.launcher import (BACKEND_FLAG, CONFIG_FLAG, EXTRA_FLAG, FLATCAKE_BACKEND, LaunchError,
-                                       flatcake_extra, load_extra_config, scan_backend_flags, sglang_view)
+                                       flatcake_extra, load_extra_config, rewrite_argv, scan_backend_flags,
+                                       sglang_view)
 
 SGLANG_CONFIG_FLAG = "--config"
 _FLAGS = (BACKEND_FLAG, EXTRA_FLAG, CONFIG_FLAG)
@@ -129,8 +130,6 @@ def rewrite_command(argv: Sequence[str]) -> tuple[list[str], Optional[str]]:
             ``flatcake-config`` key in the file while the backend in effect is not ``flatcake``
             (the message names the file and key).
     """
-    from flatcake.adapter.launcher import rewrite_argv
-
     argv = list(argv)
     sc = load_server_config(argv)
     cli = scan_backend_flags(argv)

@@ -31,8 +31,12 @@ def min_file_bytes(geometry: PageGeometry) -> int:
     """The smallest ``ssd.file_bytes`` (bytes, a multiple of 1 MiB) whose file holds one full
     round of :data:`~flatcake.config.STORAGE_BATCH_PAGES` pages of ``geometry`` with its
     headers and record."""
-    need = round_extent_bytes(STORAGE_BATCH_PAGES, geometry)
-    return -(-need // _MIB) * _MIB
+    return _mib_ceil(round_extent_bytes(STORAGE_BATCH_PAGES, geometry))
+
+
+def _mib_ceil(n: int) -> int:
+    """``n`` bytes rounded up to a multiple of 1 MiB."""
+    return -(-n // _MIB) * _MIB
 
 
 def check_file_bytes(cfg: FlatCakeConfig, geometry: PageGeometry) -> None:
@@ -51,7 +55,7 @@ def check_file_bytes(cfg: FlatCakeConfig, geometry: PageGeometry) -> None:
         raise ConfigError(
             f"ssd.file_bytes: {cfg.ssd.file_bytes} bytes cannot hold one round of {STORAGE_BATCH_PAGES} pages "
             f"(SGLang's backup batch) of {geometry.page_bytes} bytes each plus headers ({need} bytes); "
-            f"set ssd.file_bytes to at least {min_file_bytes(geometry)}")
+            f"set ssd.file_bytes to at least {_mib_ceil(need)}")
 
 
 def _size(n: int) -> str:

@@ -325,6 +325,7 @@ class MooncakeSystem(L3System):
     Raises:
         RuntimeError: not inside the harness's namespace, or the master or the client fails to
             start (Mooncake's error code included).
+        ValueError: ``extra`` that :func:`check_extra` refuses (the message names the key).
     """
 
     name = "mooncake"
@@ -337,7 +338,7 @@ class MooncakeSystem(L3System):
         _import_backend_module()
         from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 
-        self.opts = {**DEFAULTS, **dict(extra or {})}
+        self.opts = check_extra(extra or {})  # the one merge over DEFAULTS, validated
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         self.segment_bytes = max(int(dram_bytes), MIN_SEGMENT_BYTES)
