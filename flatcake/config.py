@@ -23,10 +23,10 @@ from __future__ import annotations
 import copy
 import os
 from pathlib import Path
-from typing import Any, Literal, Mapping, Optional
+from typing import Any, Literal, Mapping, Optional, Tuple
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from flatcake.align import ALIGN
 
@@ -136,13 +136,57 @@ class SsdConfig(_WatermarkSection):
     """SSD medium (paper §3.1/§3.3): a pool of preallocated single-extent files."""
 
     path: Optional[str] = Field(None, validate_default=True,
-                                description="directory of the file pool; None = default_ssd_path()")
+                                description="directory of the file pool (the first drive when ``ssd.path`` "
+                                            "is a list); None = default_ssd_path()")
+    #: every drive's pool directory, ``path`` first (``ssd.path`` given as a list: one directory
+    #: per NVMe drive without RAID; a plain string gives one drive). Set through ``ssd.path``.
+    paths: Tuple[str, ...] = ()
     file_bytes: int = Field(2 << 30, gt=0, description="bytes per preallocated file (one extent)")
     max_files: int = Field(8, ge=1, description="files in the pool; capacity = max_files * file_bytes")
     high_watermark: float = Field(0.90, gt=0, le=1)
     low_watermark: float = Field(0.75, ge=0, lt=1)
     direct_io: Literal["auto", "on", "off"] = "auto"
     preallocate: bool = Field(True, description="fallocate each file when it is first used")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _path_list(cls, data: Any) -> Any:
+        """``ssd.path`` as a list of directories -> ``path`` (the first) and ``paths`` (all)."""
+        if not isinstance(data, Mapping):
+            return data
+        data = dict(data)
+        if "paths" in data:
+            raise ValueError("ssd.paths is derived: give the drives as a list in ssd.path")
+        path = data.get("path")
+        if isinstance(path, (list, tuple)):
+            if not path:
+                raise ValueError("ssd.path: an empty list (give one directory per drive, or leave it unset)")
+            bad = [p for p in path if not isinstance(p, str) or not p.strip()]
+            if bad:
+                raise ValueError(f"ssd.path: every entry must be a non-empty directory string (got {bad[0]!r})")
+            if len(set(path)) != len(path):
+                raise ValueError("ssd.path: a directory is listed twice")
+            data["path"], data["paths"] = path[0], tuple(path)
+        return data
+
+    @model_validator(mode="after")
+    def _paths_default(self) -> "SsdConfig":
+        if not self.paths:
+            object.__setattr__(self, "paths", (self.path,))
+        return self
+
+    def with_paths(self, paths: "list[str] | tuple[str, ...]") -> "SsdConfig":
+        """A validated copy with these drive directories (``paths[0]`` becomes ``path``); use it
+        instead of ``model_copy`` (which would leave ``paths`` stale).
+
+        Raises:
+            ConfigError: an empty or repeated entry (names ``ssd.path``).
+        """
+        data = self.model_dump(exclude={"path", "paths"})
+        try:
+            return SsdConfig.model_validate({**data, "path": list(paths)})
+        except ValidationError as e:
+            raise ConfigError(_format_validation_error(e)) from None
 
     @field_validator("path")
     @classmethod

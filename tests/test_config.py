@@ -25,10 +25,16 @@ REPO = Path(__file__).resolve().parent.parent
 DOCS = REPO / "docs" / "configuration.md"
 
 
+#: fields computed from others, not set by the operator (``ssd.paths`` comes from ``ssd.path``)
+DERIVED = {"ssd.paths"}
+
+
 def _fields(model: type[BaseModel], prefix: str = "") -> dict[str, object]:
     """Dotted field path -> default, recursing into sub-sections."""
     out: dict[str, object] = {}
     for name, info in model.model_fields.items():
+        if f"{prefix}{name}" in DERIVED:
+            continue
         ann = info.annotation
         if isinstance(ann, type) and issubclass(ann, BaseModel):
             out.update(_fields(ann, f"{prefix}{name}."))
