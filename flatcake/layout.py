@@ -123,6 +123,9 @@ class KvPageLayout:
             UnsupportedLayoutError: layout not in :data:`SUPPORTED_LAYOUTS`, or a pool whose
                 buffer is not one of the shapes above (e.g. ``page_first_kv_split``).
         """
+        reason = separate_scale_reason(pool)
+        if reason:
+            raise UnsupportedLayoutError(f"host pool {type(pool).__name__}: {reason}")
         layout = getattr(pool, "layout", None)
         if layout not in SUPPORTED_LAYOUTS:
             raise UnsupportedLayoutError(
@@ -248,3 +251,134 @@ def _is_mla_pool(pool, kv: torch.Tensor) -> bool:
     layout = pool.layout
     expected_mha_dims = {"layer_first": 5, "page_first": 5, "page_first_direct": 6}[layout]
     return kv.dim() != expected_mha_dims
+
+
+# ---------------------------------------------------------------- any host pool (v2 extra pools)
+#: pool attributes that, when they hold a tensor outside the pool's page buffers, carry per-page
+#: scales the page payload needs (e.g. ``MHATokenToKVPoolMXFP8Host.k_scale_host``)
+_SCALE_HINT = "scale"
+
+
+def pool_buffers(pool) -> list:
+    """The pool's page buffers as SGLang's Mooncake backend registers them:
+    ``get_hybrid_pool_buffer()``, else ``kv_buffer`` (a tensor or a list of tensors)."""
+    get = getattr(pool, "get_hybrid_pool_buffer", None)
+    bufs = get() if callable(get) else getattr(pool, "kv_buffer", None)
+    if isinstance(bufs, torch.Tensor):
+        bufs = [bufs]
+    return [b for b in (bufs or []) if isinstance(b, torch.Tensor)]
+
+
+def separate_scale_reason(pool) -> str:
+    """Why ``pool``'s pages cannot be stored as its payload alone, or ``""``.
+
+    A pool whose attribute named ``*scale*`` holds a non-empty tensor outside its page buffers
+    (SGLang 0.5.23's ``MHATokenToKVPoolMXFP8Host``: UE8M0 ``k_scale_host`` / ``v_scale_host``
+    next to the fp8 ``kv_buffer``) keeps bytes a page needs where no page view reaches them:
+    storing the payload alone would restore KV with stale scales. Combined payload+scale rows in
+    one page buffer (the DSA indexer's ``index_k_with_scale_buffer``) are fine, and so are scalar
+    or per-layer scales (their first dimension is not the pool's slots or pages).
+    """
+    owned = {b.untyped_storage().data_ptr() for b in pool_buffers(pool)}
+    ps = int(getattr(pool, "page_size", 0) or 0)
+    size = int(getattr(pool, "size", 0) or 0)
+    per_page = {size, size // ps} if ps else {size}  # a per-page tensor: one row per slot or page
+    for name, value in list(vars(pool).items()):
+        if _SCALE_HINT not in name.lower():
+            continue
+        ts = value if isinstance(value, (list, tuple)) else [value]
+        for t in ts:
+            if (isinstance(t, torch.Tensor) and t.dim() and t.numel() and int(t.shape[0]) in per_page
+                    and t.untyped_storage().data_ptr() not in owned):
+                return (f"pages carry separate scale tensors ({name}, {tuple(t.shape)} {t.dtype}) outside the page "
+                        f"buffers; storing the payload alone would serve KV with wrong scales")
+    return ""
+
+
+def _flat_meta(meta) -> tuple[list[int], list[int]]:
+    """``get_page_buffer_meta``'s (pointers, sizes), nested sequences flattened."""
+    ptrs, sizes = meta
+    fp, fs = [], []
+    for p, s in zip(ptrs, sizes):
+        if isinstance(p, (list, tuple)):
+            fp += [int(x) for x in p]
+            fs += [int(x) for x in s]
+        else:
+            fp.append(int(p))
+            fs.append(int(s))
+    return fp, fs
+
+
+def _page_components(pool, page: int) -> tuple[list[int], list[int]]:
+    """(pointers, sizes) of every byte range of host page ``page`` (token slots
+    ``[page*page_size, (page+1)*page_size)``), in ``get_page_buffer_meta`` order."""
+    ps = int(pool.page_size)
+    return _flat_meta(pool.get_page_buffer_meta(torch.arange(page * ps, (page + 1) * ps, dtype=torch.int64)))
+
+
+def _period(sizes: list[int]) -> int:
+    """Smallest ``k`` dividing ``len(sizes)`` with ``sizes[i] == sizes[i % k]`` (planes per layer)."""
+    c = len(sizes)
+    for k in range(1, c + 1):
+        if c % k == 0 and all(sizes[i] == sizes[i % k] for i in range(c)):
+            return k
+    return c  # pragma: no cover - k = c always matches
+
+
+def page_layout_from_meta(pool, name: str) -> KvPageLayout:
+    """A :class:`KvPageLayout` over any SGLang host pool, from the byte ranges its
+    ``get_page_buffer_meta`` names for one page (the ranges SGLang's Mooncake backend moves).
+
+    Component ``c`` of page ``p`` is ``sizes[c]`` bytes at ``base_c + p * stride_c``; components
+    group into ``layers`` of equal plane tuples (MHA ``layer_first``: (K, V) per layer; a DeepSeek-V4
+    paged pool: one row per layer; Mamba: one layer of (temporal, conv_0, …)). Each plane view is
+    uint8 ``[num_pages, page_size, row_bytes]`` (``page_size`` tokens when every size divides by
+    it, else 1 row of the whole range).
+
+    Raises:
+        UnsupportedLayoutError: separate scale tensors (:func:`separate_scale_reason`); no
+            ``get_page_buffer_meta`` or it raises (e.g. MXFP8, Mamba with slot side states);
+            pages whose ranges are not at a fixed stride inside one page buffer. The message
+            names ``name``.
+    """
+    def refuse(why: str):
+        return UnsupportedLayoutError(f"host pool {name!r} ({type(pool).__name__}): {why}; FlatCake cannot store it")
+
+    reason = separate_scale_reason(pool)
+    if reason:
+        raise refuse(reason)
+    num_pages = int(getattr(pool, "size", 0)) // max(int(getattr(pool, "page_size", 0) or 0), 1)
+    if num_pages < 1 or not callable(getattr(pool, "get_page_buffer_meta", None)):
+        raise refuse("no page-addressable buffers (get_page_buffer_meta, size, page_size)")
+    probes = sorted({0, 1, num_pages // 2, num_pages - 1} & set(range(num_pages)))
+    try:
+        metas = {p: _page_components(pool, p) for p in probes}
+    except Exception as e:  # noqa: BLE001 - SGLang's own refusal (NotImplementedError, ValueError)
+        raise refuse(f"get_page_buffer_meta: {e}") from None
+    ptr0, sizes = metas[0]
+    if not ptr0 or any(s <= 0 for s in sizes):
+        raise refuse("empty page")
+    stride = [metas[1][0][c] - ptr0[c] for c in range(len(ptr0))] if 1 in metas else [0] * len(ptr0)
+    for p, (ptrs, sz) in metas.items():
+        if sz != sizes or any(ptrs[c] != ptr0[c] + p * stride[c] for c in range(len(ptr0))):
+            raise refuse("page byte ranges are not at a fixed stride")
+    k = _period(sizes)
+    ps = int(pool.page_size)
+    rows = ps if all(s % ps == 0 for s in sizes[:k]) else 1
+    views = [_component_view(pool, ptr0[c], stride[c], sizes[c], rows, num_pages, refuse) for c in range(len(ptr0))]
+    geometry = PageGeometry(len(sizes) // k, rows, tuple(s // rows for s in sizes[:k]))
+    return KvPageLayout(geometry, lambda layer: views[layer * k:(layer + 1) * k], num_pages,
+                        torch.device(getattr(pool, "device", "cpu") or "cpu"), f"{name}-meta")
+
+
+def _component_view(pool, ptr0: int, stride: int, size: int, rows: int, num_pages: int, refuse) -> torch.Tensor:
+    """uint8 ``[num_pages, rows, size // rows]`` view of one page component inside the page
+    buffer that holds all of it (``stride`` bytes between pages)."""
+    end = ptr0 + (num_pages - 1) * stride + size
+    for buf in pool_buffers(pool):
+        st = buf.untyped_storage()
+        base = st.data_ptr()
+        if base <= ptr0 and end <= base + st.nbytes() and stride >= 0:
+            flat = torch.empty(0, dtype=torch.uint8, device=buf.device).set_(st)
+            return flat.as_strided((num_pages, rows, size // rows), (stride, size // rows, 1), ptr0 - base)
+    raise refuse("a page's bytes lie outside its page buffers")

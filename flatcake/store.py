@@ -130,6 +130,7 @@ class PageStore:
         self.role = role
         self.geometry = geometry
         self.namespace = namespace
+        self.instance = instance  # pool-name component (the v2 adapter opens extra pools with it)
         self.stats = StoreStats()
         self.errors = ErrorLog(log)
         self.dram = self.ssd = self.cio = self._journal = self.mirror = None
@@ -347,6 +348,34 @@ class PageStore:
         finally:
             self._gate.exit()
         return out, written
+
+    # ================================================================ scopes of other stores
+    def add_retire_listener(self, fn) -> None:
+        """Call ``fn(keys)`` (list of str) with the keys of every scope this store frees
+        (reclaim, drop after a failed read, clear), under its writer lock; ``fn`` must not
+        call back into this store. Used to retire a session's extra-pool pages with its KV
+        pages (``docs/design.md``, "Hybrid models")."""
+        self.scopes.retire_listeners.append(fn)
+
+    def drop_keys(self, keys: Sequence[str]) -> int:
+        """Drop (free now, or when their last reader leaves) every scope holding one of
+        ``keys``. Returns the scopes dropped. A no-op once closed. Never raises."""
+        if self._gate.closed:
+            return 0
+        dropped = 0
+        try:
+            with self.scopes.lock:
+                seen = set()
+                for k in keys:
+                    e = self.index.get(k)
+                    if e is None or id(e.scope) in seen or e.scope.retired or e.scope.doomed:
+                        continue
+                    seen.add(id(e.scope))
+                    self.scopes.drop_locked(e.scope)
+                    dropped += 1
+        except Exception as e:
+            self.errors("drop keys", e)
+        return dropped
 
     # ================================================================ follower ranks
     def _sync(self) -> None:

@@ -182,3 +182,100 @@ class MLAHostPoolDouble(_HostPoolBase):
                 ptrs.append(base + i * self.layer_num * self.kv_cache_dim * isz)
             esz = self.layer_num * isz * self.page_size * self.kv_cache_dim
         return ptrs, [esz] * len(ptrs)
+
+
+# ---------------------------------------------------------------- v2 extra pools (hybrid models)
+def _pages(indices, page_size: int) -> list:
+    """First token slot of each page in ``indices`` (int64 token slots)."""
+    return indices.tolist()[::page_size]
+
+
+class MambaHostPoolDouble:
+    """``MambaPoolHost`` double (``pool_host/mamba.py``, page_first): one slot per request
+    (``page_size`` 1), ``temporal_buffer`` ``[size, layers, *temporal_shape]`` and one
+    ``conv_buffer[i]`` ``[size, layers, *conv_shape_i]``; ``get_page_buffer_meta`` yields the
+    temporal range then each conv range of a slot, as SGLang's does."""
+
+    def __init__(self, size, layer_num, temporal_shape=(2, 4, 4), conv_shapes=((6, 3),),
+                 temporal_dtype=torch.float32, conv_dtype=torch.bfloat16, layout="page_first"):
+        self.size, self.page_size, self.layout, self.device = size, 1, layout, "cpu"
+        self.num_mamba_layers = self.layer_num = layer_num
+        self.temporal_dtype, self.conv_dtype = temporal_dtype, conv_dtype
+        self.temporal_buffer = torch.zeros((size, layer_num, *temporal_shape), dtype=temporal_dtype)
+        self.conv_buffer = [torch.zeros((size, layer_num, *s), dtype=conv_dtype) for s in conv_shapes]
+
+    def get_hybrid_pool_buffer(self):
+        return [self.temporal_buffer, *self.conv_buffer]
+
+    def _page_tensors(self, index):
+        return [self.temporal_buffer[index], *(c[index] for c in self.conv_buffer)]
+
+    def get_data_page(self, index, flat: bool = True):
+        return torch.cat([t.reshape(-1).view(torch.uint8) for t in self._page_tensors(int(index))])
+
+    def set_from_flat_data_page(self, index: int, data_page: torch.Tensor) -> None:
+        b, o = data_page.view(torch.uint8).reshape(-1), 0
+        for t in self._page_tensors(int(index)):
+            n = t.numel() * t.element_size()
+            t.copy_(b[o:o + n].clone().view(t.dtype).reshape(t.shape))
+            o += n
+
+    def get_page_buffer_meta(self, indices):
+        ptrs, sizes = [], []
+        for i in _pages(indices, 1):
+            for t in self._page_tensors(i):
+                ptrs.append(t.data_ptr())
+                sizes.append(t.numel() * t.element_size())
+        return ptrs, sizes
+
+
+class DsaIndexerHostPoolDouble:
+    """``DSAIndexerPoolHost`` double (``pool_host/dsa.py``, page_first): one fp8 payload+scale
+    row of ``indexer_page_stride_size`` bytes per (page, layer) in ``index_k_with_scale_buffer``
+    ``[pages, layers, 1, stride]`` (payload and scales in the same buffer)."""
+
+    def __init__(self, size, page_size, layer_num, indexer_page_stride_size=132, layout="page_first"):
+        self.size, self.page_size, self.layer_num, self.layout, self.device = size, page_size, layer_num, layout, "cpu"
+        self.indexer_page_stride_size = indexer_page_stride_size
+        self.indexer_dtype = torch.uint8
+        self.index_k_with_scale_buffer = torch.zeros((size // page_size, layer_num, 1, indexer_page_stride_size),
+                                                     dtype=torch.uint8)
+
+    def get_hybrid_pool_buffer(self):
+        return [self.index_k_with_scale_buffer]
+
+    def get_data_page(self, index, flat: bool = True):
+        p = self.index_k_with_scale_buffer[int(index) // self.page_size]
+        return p.flatten() if flat else p
+
+    def set_from_flat_data_page(self, index: int, data_page: torch.Tensor) -> None:
+        self.index_k_with_scale_buffer[int(index) // self.page_size].copy_(
+            data_page.reshape(self.layer_num, 1, self.indexer_page_stride_size))
+
+    def get_page_buffer_meta(self, indices):
+        stride = self.layer_num * self.indexer_page_stride_size
+        base = self.index_k_with_scale_buffer.data_ptr()
+        ptrs = [base + (i // self.page_size) * stride for i in _pages(indices, self.page_size)]
+        return ptrs, [stride] * len(ptrs)
+
+
+class MXFP8HostPoolDouble(MHAHostPoolDouble):
+    """``MHATokenToKVPoolMXFP8Host`` double (``pool_host/mha_mxfp8.py``): an fp8 MHA payload in
+    ``kv_buffer`` plus per-(page, layer) UE8M0 scale blocks in ``k_scale_host`` /
+    ``v_scale_host`` ``[pages, layers, sf_bytes]`` outside it; flat pages and buffer meta raise
+    ``NotImplementedError`` as SGLang's do. FlatCake must refuse it."""
+
+    def __init__(self, size, page_size, layer_num, head_num, head_dim, sf_bytes=64, layout="page_first"):
+        super().__init__(size, page_size, layer_num, head_num, head_dim, dtype=torch.float8_e4m3fn, layout=layout)
+        self.k_scale_host = torch.zeros((size // page_size, layer_num, sf_bytes), dtype=torch.uint8)
+        self.v_scale_host = torch.zeros((size // page_size, layer_num, sf_bytes), dtype=torch.uint8)
+
+    def _unsupported(self):
+        return NotImplementedError("MXFP8 KV host pool does not expose flat storage (L3) pages yet: "
+                                   "a page's UE8M0 scales live outside kv_buffer.")
+
+    def get_data_page(self, index, flat: bool = True):
+        raise self._unsupported()
+
+    def get_page_buffer_meta(self, indices):
+        raise self._unsupported()

@@ -30,6 +30,7 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageC
 from flatcake.config import FlatCakeConfig, config_from_extra
 from flatcake.errorlog import ErrorLog
 from flatcake.layout import KvPageLayout, UnsupportedLayoutError
+from flatcake.adapter.v2 import HybridPoolsMixin
 from flatcake.adapter.startup import check_file_bytes, default_path_warning, prefix_keys_warning, startup_line
 from flatcake.media.pool_dir import ensure_pool_dir
 from flatcake.metrics import REFRESH_S, make_exporter
@@ -70,7 +71,7 @@ def _prefix(extra_info: Optional[HiCacheStorageExtraInfo]) -> Optional[list]:
     return extra_info.prefix_keys if extra_info is not None else None
 
 
-class FlatCakeStorage(HiCacheStorage):
+class FlatCakeStorage(HybridPoolsMixin, HiCacheStorage):
     """SGLang L3 backend implementing FlatCake (paper §3; ``docs/design.md``).
 
     Args:
@@ -307,11 +308,13 @@ class FlatCakeStorage(HiCacheStorage):
         try:
             if self.store is not None:
                 self.store.clear()
+            self.clear_extra_pools()  # v2 pools (flatcake.adapter.v2)
         except Exception as e:
             self.errors("clear", e)
 
     def close(self) -> None:
-        """Release files, staging buffers and pinned memory."""
+        """Release files, staging buffers and pinned memory (of the v2 extra pools too)."""
+        self.close_extra_pools()
         with self._lock:
             if self.store is not None:
                 try:

@@ -74,6 +74,9 @@ class ScopeTable:
         self._journal_broken = False  # an append failed: rewrite the journal before the next one
         self.claims = KeyClaims(self.index)  # keys a put is writing now
         self.requeries = RequeryFilter(cfg.placement.requery_window_s)
+        #: callables ``fn(keys)`` told the keys of every scope freed (reclaim, drop, clear), under
+        #: the writer lock; the v2 adapter retires extra-pool pages of the same session with it
+        self.retire_listeners: list = []
 
     # ================================================================ hit queries and readers
     def note_hit_query(self, keys: Sequence[str], n: int, prefix_keys: Optional[Sequence[str]]) -> None:
@@ -364,6 +367,7 @@ class ScopeTable:
         Writer lock held. Returns False (and changes nothing) when a reader or writer pins it."""
         if not scope.try_retire():
             return False
+        keys = list(scope.keys) if self.retire_listeners else None
         self.index.unpublish_scope_locked(scope)
         if scope.medium == MEDIUM_SSD:
             if scope.rounds and not scope.keep_on_disk:
@@ -375,7 +379,18 @@ class ScopeTable:
         else:
             self.dram.free_locked(scope.slots)
             self.stats.add(reclaimed_scopes_dram=1, reclaimed_bytes=scope.nbytes)
+        if keys:
+            self.notify_retired(keys)
         return True
+
+    def notify_retired(self, keys: list) -> None:
+        """Tell every :attr:`retire_listeners` callable the keys of a freed scope. A listener
+        that raises is logged once (op ``retire listener``) and never stops the reclaim."""
+        for fn in list(self.retire_listeners):
+            try:
+                fn(keys)
+            except Exception as e:  # noqa: BLE001 - a listener never breaks reclaim
+                self.errors("retire listener", e)
 
     def drop_locked(self, scope: SessionScope) -> bool:
         """Free ``scope`` now, or, while a reader or writer pins it, *doom* it: its keys are
