@@ -30,7 +30,7 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageC
 from flatcake.config import FlatCakeConfig, config_from_extra
 from flatcake.errorlog import ErrorLog
 from flatcake.layout import KvPageLayout, UnsupportedLayoutError
-from flatcake.adapter.v2 import HybridPoolsMixin
+from flatcake.adapter.v2 import HybridPoolsMixin, is_logical_anchor
 from flatcake.adapter.startup import check_file_bytes, default_path_warning, prefix_keys_warning, startup_line
 from flatcake.media.pool_dir import ensure_pool_dir
 from flatcake.metrics import REFRESH_S, make_exporter
@@ -115,7 +115,13 @@ class FlatCakeStorage(HybridPoolsMixin, HiCacheStorage):
             ConfigError: ``ssd.file_bytes`` cannot hold one 128-page round of these pages
                 (:func:`flatcake.adapter.startup.check_file_bytes`; names the field).
             SsdStartupError: the SSD pool cannot be created.
+
+        A KV anchor without bytes (SGLang's ``LogicalHostPool``, DeepSeek-V4) opens no KV
+        store: :meth:`~flatcake.adapter.v2.HybridPoolsMixin.register_logical_anchor`.
         """
+        if is_logical_anchor(mem_pool_host):
+            self.register_logical_anchor(mem_pool_host)
+            return
         super().register_mem_pool_host(mem_pool_host)
         layout = KvPageLayout.from_host_pool(mem_pool_host)
         check_file_bytes(self.cfg, layout.geometry)  # ConfigError naming ssd.file_bytes
@@ -196,7 +202,7 @@ class FlatCakeStorage(HybridPoolsMixin, HiCacheStorage):
     def batch_exists(self, keys: List[str], extra_info: Optional[HiCacheStorageExtraInfo] = None) -> int:
         """Length of the leading run of stored keys (SGLang's hit query). Never raises."""
         try:
-            if not self._ready():
+            if self.logical_anchor or not self._ready():  # a logical anchor holds no KV page
                 return 0
             return self.store.leading_run(keys, _prefix(extra_info))
         except Exception as e:
@@ -221,6 +227,8 @@ class FlatCakeStorage(HybridPoolsMixin, HiCacheStorage):
         token slots, page ``i`` at ``host_indices[i * page_size]``). Returns per-page success;
         only the leading run is True. Never raises."""
         try:
+            if self.logical_anchor:  # no KV bytes (DeepSeek-V4): the v2 pools carry the data
+                return [True] * len(keys)
             ids = self._v1_page_ids(keys, host_indices)
             if ids is None:
                 return [False] * len(keys)
@@ -236,6 +244,8 @@ class FlatCakeStorage(HybridPoolsMixin, HiCacheStorage):
         """Store pages from host-pool slots ``host_indices``. Ranks that are not the storage
         writer (MLA, ``tp_rank != 0``) write nothing and report success. Never raises."""
         try:
+            if self.logical_anchor:  # no KV bytes (DeepSeek-V4): the v2 pools carry the data
+                return [True] * len(keys)
             if not self.is_writer:
                 return [not self._closed()] * len(keys)
             ids = self._v1_page_ids(keys, host_indices)

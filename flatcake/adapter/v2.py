@@ -85,6 +85,10 @@ class HybridPoolsMixin:
     ``batch_get_v1`` / ``batch_set_v1`` (the KV pool).
     """
 
+    #: True when the KV anchor is SGLang's ``LogicalHostPool`` (DeepSeek-V4): no KV bytes, the
+    #: extra pools carry every page (:meth:`register_logical_anchor`)
+    logical_anchor = False
+
     # ------------------------------------------------------------------ registration
     def _v2_state(self) -> dict:
         st = self.__dict__.get("_v2_pools")
@@ -92,7 +96,42 @@ class HybridPoolsMixin:
             st = self.__dict__.setdefault("_v2_pools", {})
             self.__dict__.setdefault("_v2_lock", threading.RLock())
             self.__dict__.setdefault("_v2_hooked", None)
+            self.__dict__.setdefault("_v2_burst_done", False)
+            self.__dict__.setdefault("_v2_ref_bytes", 0)
+            self.__dict__.setdefault("_v2_retired", [])
         return st
+
+    def register_logical_anchor(self, pool) -> None:
+        """Bind a KV anchor that holds no bytes (SGLang's ``LogicalHostPool``: DeepSeek-V4's
+        HiCache keeps every byte in its v2 pools and uses the anchor for page indices only).
+
+        No KV store is opened: v1 calls move nothing (``batch_get_v1`` / ``batch_set_v1``
+        report success, ``batch_exists`` 0, as SGLang's Mooncake backend does) and the extra
+        pools' stores open at :meth:`on_host_pools_registered`, sharing the configured
+        capacities in proportion to their bytes per page. The namespace is KV's without
+        dtype, layout and page bytes (:func:`logical_namespace`).
+        """
+        self._v2_state()
+        self.mem_pool_host = pool
+        self.logical_anchor = True
+        self.namespace = logical_namespace(self.storage_config, pool)
+        log.info("flatcake: KV anchor %s holds no bytes (page %d tokens); extra pools carry the pages",
+                 type(pool).__name__, int(pool.page_size))
+
+    def _v2_can_open(self) -> bool:
+        """Stores open beside an open KV store, or, with a logical anchor, once the initial
+        pool set is known (capacities are split over it)."""
+        return self.store is not None or (self.logical_anchor and self._v2_burst_done)
+
+    def _v2_role_instance(self) -> tuple[str, str]:
+        """(role, instance) of the extra stores: the KV store's; with a logical anchor the
+        same rule the KV store follows (writer/follower for MLA over TP ranks; ``dp<rank>``)."""
+        if self.store is not None:
+            return self.store.role, self.store.instance
+        sc = self.storage_config
+        shared = bool(sc and sc.is_mla_model and sc.tp_size > 1)
+        role = ("writer" if self.is_writer else "follower") if shared else "single"
+        return role, f"dp{getattr(sc, 'dp_rank', 0) if sc else 0}"
 
     def register_mem_host_pool_v2(self, host_pool, host_pool_name) -> None:
         """Register one extra host pool (SGLang calls it once per pool after
@@ -118,7 +157,7 @@ class HybridPoolsMixin:
             if old is not None and old.store is not None:
                 old.store.close()
             pools[name] = ExtraPool(name, host_pool, layout)
-            if self.store is not None:
+            if self._v2_can_open():
                 self._open_pool_store(pools[name])
                 self._hook_kv_retire()
 
@@ -131,8 +170,11 @@ class HybridPoolsMixin:
         """
         pools = self._v2_state()
         with self._v2_lock:
+            self._v2_burst_done = True
+            if self.logical_anchor and not self._v2_ref_bytes:  # split the totals over this pool set
+                self._v2_ref_bytes = sum(p.layout.geometry.page_bytes for p in pools.values())
             for p in pools.values():
-                if p.store is None and self.store is not None:
+                if p.store is None and self._v2_can_open():
                     self._open_pool_store(p)
             self._hook_kv_retire()
         for p in pools.values():
@@ -146,16 +188,18 @@ class HybridPoolsMixin:
         """Open ``p``'s store beside the KV store: namespace = KV's + pool name, page bytes,
         layout (+ TP rank for TP-sharded pools); role as KV's, except TP-sharded pools under a
         shared (MLA) KV pool, which every rank writes itself."""
-        kv = self.store
         sc = self.storage_config
         g = p.layout.geometry
         ns = f"{self.namespace}|pool={p.name}|pool_layout={p.layout.name}|pool_page_bytes={g.page_bytes}"
-        role = kv.role
+        role, instance = self._v2_role_instance()
         if p.name in TP_SHARDED_POOLS and role != "single":
             ns += f"|tp={sc.tp_rank}/{sc.tp_size}"
             role = "single"
-        cfg = pool_config(self.cfg, self.layout.geometry.page_bytes, g.page_bytes)
-        p.store = PageStore(cfg, g, ns, instance=kv.instance, role=role)
+        ref = self.layout.geometry.page_bytes if self.store is not None else (self._v2_ref_bytes or g.page_bytes)
+        cfg = pool_config(self.cfg, ref, g.page_bytes)
+        p.store = PageStore(cfg, g, ns, instance=instance, role=role)
+        if self.logical_anchor:  # no KV store: the pools retire a session's pages together
+            p.store.add_retire_listener(lambda keys, src=p.name: self._v2_retired.append((src, keys)))
         if g.page_bytes * 128 > cfg.ssd.file_bytes:
             log.warning("flatcake: extra pool %s: ssd.file_bytes %d holds fewer than 128 pages of %d bytes; "
                         "its backups go in smaller rounds", p.name, cfg.ssd.file_bytes, g.page_bytes)
@@ -169,11 +213,20 @@ class HybridPoolsMixin:
         kv.add_retire_listener(self._retire_extra_pages)
         self._v2_hooked = kv
 
-    def _retire_extra_pages(self, keys: list) -> None:
-        """KV freed a scope with ``keys``: drop the extra-pool scopes holding any of them."""
+    def _retire_extra_pages(self, keys: list, skip: Optional[str] = None) -> None:
+        """KV (or, with a logical anchor, pool ``skip``) freed a scope with ``keys``: drop the
+        extra-pool scopes holding any of them."""
         for p in list(self._v2_state().values()):
-            if p.store is not None:
+            if p.store is not None and p.name != skip:
                 p.store.drop_keys(keys)
+
+    def _drain_retired(self) -> None:
+        """Logical anchor: pages one pool freed (queued by its retire listener, under its lock)
+        are dropped from the other pools here, outside every store lock (no lock order)."""
+        q = self._v2_retired
+        while q:
+            src, keys = q.pop(0)
+            self._retire_extra_pages(keys, skip=src)
 
     def extra_pool(self, name) -> Optional[ExtraPool]:
         """The registered extra pool ``name`` (``PoolName`` or str), or ``None``."""
@@ -208,7 +261,9 @@ class HybridPoolsMixin:
         A pool not registered holds no page. Never raises (a fault: no hit, logged once).
         """
         try:
-            kv = self.batch_exists(keys, extra_info)
+            self._v2_state()
+            self._drain_retired()
+            kv = self._kv_run(keys, pool_transfers, extra_info)
             hits: dict = {PoolName.KV: kv} if kv else {}
             restorable = list(range(1, kv + 1))
             for t in pool_transfers or []:
@@ -223,6 +278,15 @@ class HybridPoolsMixin:
         except Exception as e:
             self.errors("batch_exists_v2", e)
             return PoolTransferResult(0, {}, [])
+
+    def _kv_run(self, keys: List[str], pool_transfers, extra_info) -> int:
+        """KV's leading run; with a logical anchor every page, when some pool gates the hit
+        (``all_pages`` / ``trailing_pages``), else 0 (no pool would vouch for any byte)."""
+        if not self.logical_anchor:
+            return self.batch_exists(keys, extra_info)
+        gates = any(pool_key(t.name) != PoolName.KV.value
+                    and PoolHitPolicy(t.hit_policy) != PoolHitPolicy.BLOCK_GROUPS for t in pool_transfers or [])
+        return len(keys) if gates else 0
 
     def _pool_restorable(self, t: PoolTransfer, keys: List[str], kv: int, extra_info=None) -> tuple[int, Optional[set]]:
         """(this pool's boundary in pages, the prefix lengths it can restore or ``None`` when
@@ -252,6 +316,8 @@ class HybridPoolsMixin:
         """Read each transfer's pages (``keys[i]`` into host page ``host_indices[i*page_size]``
         of its pool). Returns ``{transfer.name: [bool] * len(keys)}``, only a leading run True.
         Never raises."""
+        self._v2_state()
+        self._drain_retired()
         return {t.name: self._transfer(t, extra_info, write=False) for t in transfers or []}
 
     def batch_set_v2(self, transfers: List[PoolTransfer],
@@ -259,6 +325,8 @@ class HybridPoolsMixin:
         """Store each transfer's pages (``extra_info.prefix_keys + keys`` is the session's key
         chain, as for KV). Returns ``{transfer.name: [bool] * len(keys)}``. A pool this rank
         does not write (replicated under MLA, not the writer rank) reports success. Never raises."""
+        self._v2_state()
+        self._drain_retired()
         return {t.name: self._transfer(t, extra_info, write=True) for t in transfers or []}
 
     def _transfer(self, t: PoolTransfer, extra_info, write: bool) -> list:
@@ -310,3 +378,22 @@ def pool_page_ids(host_indices, n: int, page_size: int) -> Optional[list]:
     if page_size > 1 and not bool((pages == starts[:, None] + torch.arange(page_size, dtype=hi.dtype)).all()):
         return None
     return (starts // page_size).tolist()
+
+
+def is_logical_anchor(pool) -> bool:
+    """True for a KV anchor that holds no bytes: SGLang's ``LogicalHostPool`` (``kv_buffer``
+    ``None``, no layers), used by DeepSeek-V4's HiCache."""
+    return getattr(pool, "kv_buffer", 0) is None and not int(getattr(pool, "layer_num", 0) or 0)
+
+
+def logical_namespace(cfg, pool) -> str:
+    """Namespace of a logical anchor's pools: model, TP rank (MHA only), PP, attention-CP and
+    DCP ranks, page size (tokens); each pool adds its name, layout and page bytes."""
+    parts = ["flatcake-v1", f"model={cfg.model_name or ''}" if cfg else "model="]
+    if cfg is not None:
+        parts.append("mla" if cfg.is_mla_model else f"tp={cfg.tp_rank}/{cfg.tp_size}")
+        parts += [f"pp={cfg.pp_rank}/{cfg.pp_size}", f"cp={cfg.attn_cp_rank}/{cfg.attn_cp_size}"]
+        if getattr(cfg, "dcp_size", 1) > 1:
+            parts.append(f"dcp={cfg.dcp_rank}/{cfg.dcp_size}")
+    parts += [f"page={int(pool.page_size)}", "anchor=logical"]
+    return "|".join(parts)

@@ -1,0 +1,69 @@
+"""DeepSeek-V4's HiCache: a KV anchor without bytes (SGLang's LogicalHostPool) and the data
+in v2 pools (SGLang's own DeepSeekV4PagedHostPool, built on CPU)."""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+
+import torch
+from flatcake_testkit import slots_of
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo, PoolHitPolicy, PoolName, PoolTransfer
+
+sys.path.insert(0, os.path.dirname(__file__))
+from v2_kit import PAGE, PAGES, dsv4_pool, matches, put, transfer, zero  # noqa: E402
+
+C4, SWA = PoolName.DEEPSEEK_V4_C4, PoolName.SWA
+
+
+def logical_backend(make_backend):
+    from sglang.srt.mem_cache.memory_pool_host import LogicalHostPool  # importable after dsv4_pool()
+
+    c4, swa = dsv4_pool("page_first"), dsv4_pool("layer_first")
+    anchor = LogicalHostPool(PAGES * PAGE, PAGE, layout="page_first")
+    be, _ = make_backend(pool=anchor)
+    assert be.logical_anchor and be.store is None
+    be.register_mem_host_pool_v2(anchor, PoolName.KV)
+    be.register_mem_host_pool_v2(c4, C4)
+    be.register_mem_host_pool_v2(swa, SWA)
+    assert be.extra_pool(C4).store is None  # opened once the pool set is known
+    be.on_host_pools_registered()
+    return be, anchor, c4, swa
+
+
+def test_logical_anchor_moves_no_kv_bytes_and_pools_carry_the_pages(make_backend):
+    dsv4_pool("page_first")  # makes SGLang's host-pool modules importable
+    be, anchor, c4, swa = logical_backend(make_backend)
+    keys = [f"v4-{i}" for i in range(6)]
+    slots = slots_of(anchor, range(6))
+    assert be.batch_set_v1(keys, slots) == [True] * 6 and be.batch_get_v1(keys, slots) == [True] * 6
+    assert be.batch_exists(keys) == 0
+    assert be.batch_exists_v2(keys, []).kv_hit_pages == 0  # nothing vouches for any page
+    assert put(be, C4, c4, keys, range(6)) == [True] * 6  # KV-derived: the anchor's page indices
+    assert put(be, SWA, swa, keys[3:4], [0], prefix=keys[:3]) == [True]  # trailing state of page 4
+    ts = [PoolTransfer(name=C4, keys=keys), PoolTransfer(name=SWA, keys=keys[-1:], hit_policy=PoolHitPolicy.TRAILING_PAGES)]
+    r = be.batch_exists_v2(keys, ts, HiCacheStorageExtraInfo(prefix_keys=[]))
+    assert (r.kv_hit_pages, r.restorable_prefix_pages) == (4, [4])
+    assert r.extra_pool_hit_pages == {PoolName.KV: 6, C4: 6, SWA: 4}
+    zero(c4)
+    assert be.batch_get_v2([transfer(C4, c4, keys, range(10, 16))]) == {C4: [True] * 6}
+    assert all(matches(c4, 10 + i, k) for i, k in enumerate(keys))
+
+
+def test_logical_anchor_splits_capacity_and_retires_pools_together(make_backend):
+    dsv4_pool("page_first")
+    be, anchor, c4, swa = logical_backend(make_backend)
+    pc4, pswa = be.extra_pool(C4), be.extra_pool(SWA)
+    total = pc4.layout.geometry.page_bytes + pswa.layout.geometry.page_bytes
+    cfg = be.cfg
+    assert pc4.store.cfg.ssd.max_files == math.ceil(cfg.ssd.max_files * pc4.layout.geometry.page_bytes / total)
+    assert pc4.store.ssd.prefix != pswa.store.ssd.prefix
+    a, b = [f"a{i}" for i in range(3)], [f"b{i}" for i in range(3)]
+    for keys, base in ((a, 0), (b, 3)):
+        assert put(be, C4, c4, keys, range(base, base + 3)) == [True] * 3
+        assert put(be, SWA, swa, keys[2:], [base], prefix=keys[:2]) == [True]
+    assert pc4.store.drop_keys([a[0]]) == 1  # the C4 pool frees session a
+    assert pswa.store.exists(a[2])  # the others follow at the next v2 call, outside the store locks
+    be.batch_exists_v2(a, [])
+    assert not pswa.store.exists(a[2]) and pswa.store.exists(b[2]) and all(pc4.store.exists(k) for k in b)
