@@ -30,13 +30,20 @@ writes: they survive a process crash (kill -9), not necessarily a power loss
 from __future__ import annotations
 
 import errno
+import logging
 import os
+import socket
 import struct
 import threading
+import time
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Callable, Iterable, Optional
 
 import xxhash
+
+from flatcake.media import pool_dir
+
+log = logging.getLogger("flatcake")
 
 #: kind, file_index, scope_id, round_offset, extent_offset, nonce, record blocks from the round's
 #: start, record blocks, seq, reuse (a block is 4 KiB)
@@ -48,6 +55,10 @@ RETIRE = 2
 
 #: dead entries tolerated beyond the live ones before the journal is compacted (64 B each)
 COMPACT_MIN_ENTRIES = 1024
+
+#: seconds after a follower rank starts before it checks, once, that its writer's pool is
+#: visible (long enough for a writer to open its pool and replay a large journal)
+FOLLOWER_GRACE_S = 60.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,13 +207,52 @@ class JournalWriter:
 
 class JournalReader:
     """Tail side (follower ranks): :meth:`poll` returns the complete entries appended since
-    the last call. Not thread-safe; the follower calls it under its writer lock."""
+    the last call. Not thread-safe; the follower calls it under its writer lock.
 
-    def __init__(self, path: str):
+    Args:
+        path: the writer's journal (``{pool prefix}.journal`` in the pool directory).
+        grace_s: seconds before :meth:`check_writer` looks (None: :data:`FOLLOWER_GRACE_S`,
+            read at check time).
+        clock: monotonic clock in seconds (tests pass a fake one).
+
+    Attributes:
+        writer_missing: after the check, why the writer's pool is not visible (None: it is, or
+            not checked yet).
+    """
+
+    def __init__(self, path: str, grace_s: Optional[float] = None, clock: Callable[[], float] = time.monotonic):
         self.path = path
         self.offset = 0
         self._fd = -1
         self._ino = None
+        self.grace_s = grace_s
+        self._clock = clock
+        self._started = clock()
+        self._checked = False
+        self.writer_missing: Optional[str] = None
+
+    def check_writer(self) -> None:
+        """Once the grace period has passed, check once that the writer's pool is visible from
+        here (its journal exists and a process holds its lock); if not, log one WARNING saying
+        what is wrong and what to do. Never raises."""
+        if self._checked:
+            return
+        grace = FOLLOWER_GRACE_S if self.grace_s is None else self.grace_s
+        if self._clock() - self._started < grace:
+            return
+        self._checked = True
+        try:
+            self.writer_missing = writer_invisible(self.path)
+        except Exception as e:  # noqa: BLE001 - a check, never a fault of the follower
+            self.writer_missing = None
+            log.debug("flatcake: follower writer check of %s failed: %s", self.path, e)
+        if self.writer_missing:
+            log.warning(
+                "flatcake: MLA follower rank on host %s cannot see its writer rank's pool %s seconds after start: "
+                "%s. This rank reports 0 L3 hits, and SGLang takes the minimum hit count over TP ranks, so the "
+                "server gets no L3 hits. The writer's pool directory %s is not visible from this host (TP spread "
+                "over hosts?): put ssd.path on storage every host of the TP group shares, or run TP within one host",
+                socket.gethostname(), f"{grace:g}", self.writer_missing, os.path.dirname(self.path) or ".")
 
     def _open(self) -> bool:
         if self._fd >= 0:
@@ -226,7 +276,9 @@ class JournalReader:
 
     def poll(self) -> tuple[bool, list[JournalEntry]]:
         """``(restarted, entries)``: ``restarted`` is True when the journal was rewritten or
-        truncated since the last poll (the caller drops everything it mirrored first)."""
+        truncated since the last poll (the caller drops everything it mirrored first). Also
+        runs :meth:`check_writer`."""
+        self.check_writer()
         size = self.size()
         restarted = False
         if size < 0 or size < self.offset:
@@ -247,3 +299,16 @@ class JournalReader:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
+
+
+def writer_invisible(journal_path: str) -> Optional[str]:
+    """Why the pool whose journal is ``journal_path`` has no visible writer, or None when it
+    has one: its journal exists and a process holds ``{prefix}.lock``
+    (:func:`flatcake.media.pool_dir.is_live`)."""
+    if not os.path.exists(journal_path):
+        return f"its journal {journal_path} does not exist"
+    directory, name = os.path.split(journal_path)
+    prefix = name[: -len(".journal")] if name.endswith(".journal") else name
+    if not pool_dir.is_live(directory or ".", prefix):
+        return f"no running process holds its lock {prefix}.lock (the journal there is left from an earlier run)"
+    return None
