@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import copy
 import os
+import re
+import string
 from pathlib import Path
 from typing import Any, Literal, Mapping, Optional, Tuple
 
@@ -98,6 +100,46 @@ def default_ssd_path(environ: Mapping[str, str] | None = None) -> str:
     return os.path.join(home, ".cache", "flatcake")
 
 
+#: placeholders ``ssd.path`` may hold, filled per rank from SGLang's ``HiCacheStorageConfig``
+#: when the backend starts (:func:`flatcake.adapter.identity.expand_ssd_paths`)
+PATH_PLACEHOLDERS = ("tp_rank", "pp_rank", "dp_rank")
+
+_POOL_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+
+
+def path_placeholders(path: str) -> set[str]:
+    """The placeholders of one ``ssd.path`` entry (``/nvme{tp_rank}/fc`` -> ``{"tp_rank"}``),
+    checked: each is one of :data:`PATH_PLACEHOLDERS`, with an optional integer format spec
+    (``{tp_rank:02d}``).
+
+    Raises:
+        ValueError: an unknown or positional placeholder, a conversion (``!r``), a format spec
+            an integer cannot take, a stray or escaped brace (braces are for placeholders only);
+            the message names ``ssd.path``.
+    """
+    found: set[str] = set()
+    try:
+        parts = list(string.Formatter().parse(path))
+    except ValueError as e:
+        raise ValueError(f"ssd.path {path!r}: bad template ({e}); placeholders are "
+                         f"{', '.join('{' + p + '}' for p in PATH_PLACEHOLDERS)}") from None
+    for literal, name, spec, conv in parts:
+        if "{" in literal or "}" in literal:
+            raise ValueError(f"ssd.path {path!r}: braces are for placeholders only "
+                             f"({', '.join('{' + p + '}' for p in PATH_PLACEHOLDERS)})")
+        if name is None:
+            continue
+        if name not in PATH_PLACEHOLDERS or conv:
+            raise ValueError(f"ssd.path {path!r}: unknown placeholder {{{name}{'!' + conv if conv else ''}}}; "
+                             f"known: {', '.join('{' + p + '}' for p in PATH_PLACEHOLDERS)}")
+        try:
+            format(0, spec or "")
+        except ValueError:
+            raise ValueError(f"ssd.path {path!r}: bad format spec {{{name}:{spec}}} for an integer rank") from None
+        found.add(name)
+    return found
+
+
 class _Section(BaseModel):
     # strict: no silent coercion ("no" is not a bool, True is not a byte count, "8" is not 8)
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
@@ -147,6 +189,8 @@ class SsdConfig(_WatermarkSection):
     low_watermark: float = Field(0.75, ge=0, lt=1)
     direct_io: Literal["auto", "on", "off"] = "auto"
     preallocate: bool = Field(True, description="fallocate each file when it is first used")
+    pool_id: Optional[str] = Field(
+        None, description="fixed pool name of this server (letters, digits, '.', '_', '-'); None = a free slot")
 
     @model_validator(mode="before")
     @classmethod
@@ -173,7 +217,16 @@ class SsdConfig(_WatermarkSection):
     def _paths_default(self) -> "SsdConfig":
         if not self.paths:
             object.__setattr__(self, "paths", (self.path,))
+        for p in self.paths:
+            path_placeholders(p)  # ValueError naming ssd.path
         return self
+
+    @field_validator("pool_id")
+    @classmethod
+    def _pool_id_name(cls, v: Optional[str]) -> Optional[str]:
+        if v is not None and not _POOL_ID.match(v):
+            raise ValueError("must be 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit")
+        return v
 
     def with_paths(self, paths: "list[str] | tuple[str, ...]") -> "SsdConfig":
         """A validated copy with these drive directories (``paths[0]`` becomes ``path``); use it

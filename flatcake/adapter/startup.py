@@ -7,13 +7,15 @@ i.e. once the page size in bytes is known:
   :data:`~flatcake.config.STORAGE_BATCH_PAGES` pages (SGLang's backup batch), naming the field
   and the smallest value that would do;
 * :func:`startup_line` is the one line each rank logs (logger ``flatcake``, INFO): resolved
-  capacity per medium, the I/O engine and the pool identity (directory and file prefix);
+  capacity per medium, the I/O engine and the pool identity (directory, file prefix, and the
+  DP rank and slot or ``ssd.pool_id`` it was named by, :mod:`flatcake.adapter.identity`);
 * :func:`default_path_warning` is the WARNING logged when ``ssd.path`` was left to its default;
 * :func:`prefix_keys_warning` is the WARNING logged when SGLang runs with
   ``hicache_storage_pass_prefix_keys`` off (placement then cannot see sessions).
 
 Capacities are per rank: every FlatCake instance (one per TP rank, PP rank and DP replica) has
-its own DRAM region and its own SSD pool.
+its own DRAM region and its own SSD pool — per process, not per directory: several processes
+sharing one ``ssd.path`` each have ``ssd.max_files × ssd.file_bytes``.
 """
 
 from __future__ import annotations
@@ -66,14 +68,18 @@ def _size(n: int) -> str:
 
 
 def startup_line(stats: Mapping, *, ssd_path: str, pool_prefix: str, file_bytes: int, max_files: int,
-                 pinned: bool, direct_io: bool, page_bytes: int, ranks: str, role: str) -> str:
+                 pinned: bool, direct_io: bool, page_bytes: int, ranks: str, role: str,
+                 pool_identity: str = "") -> str:
     """The one start-up line of a rank: what it serves and where.
 
     Args:
         stats: :meth:`flatcake.store.PageStore.snapshot_stats` (``media`` capacities in bytes,
             ``cio_engine``).
         ssd_path: the resolved ``ssd.path`` directory.
-        pool_prefix: the pool's file prefix in it (``fc-<16 hex>``: its identity).
+        pool_prefix: the pool's file prefix in it (``fc-<16 hex>``: a digest of namespace and
+            pool identity).
+        pool_identity: the identity in words (:meth:`flatcake.adapter.identity.PoolIdentity.describe`:
+            ``dp0 slot 1``, ``dp0-id=a (ssd.pool_id)``); shown after the directory when given.
         file_bytes, max_files: the pool's file size (bytes) and file count.
         pinned: whether the DRAM region is page-locked.
         direct_io: whether pool files are opened with ``O_DIRECT``.
@@ -90,7 +96,7 @@ def startup_line(stats: Mapping, *, ssd_path: str, pool_prefix: str, file_bytes:
     return (f"flatcake: per-rank capacity ({ranks}, {role}): DRAM {_size(dram)}, "
             f"{'pinned' if pinned else 'not pinned'}; SSD {_size(ssd)} = {max_files} x {file_bytes}-byte files, "
             f"{'direct' if direct_io else 'buffered'} I/O; I/O engine {stats.get('cio_engine', '?')}; "
-            f"pool {pool_prefix} in {ssd_path}; page {page_bytes} bytes")
+            f"pool {pool_prefix} in {ssd_path}{f' ({pool_identity})' if pool_identity else ''}; page {page_bytes} bytes")
 
 
 def default_path_warning(ssd_path: str, environ: Optional[Mapping[str, str]] = None) -> Optional[str]:

@@ -31,6 +31,7 @@ from flatcake.config import FlatCakeConfig, config_from_extra
 from flatcake.errorlog import ErrorLog
 from flatcake.layout import KvPageLayout, UnsupportedLayoutError
 from flatcake.adapter.v2 import HybridPoolsMixin, is_logical_anchor
+from flatcake.adapter.identity import PoolIdentity, base_identity, expand_ssd_paths, open_pool, rank_values, sglang_replica
 from flatcake.adapter.startup import check_file_bytes, default_path_warning, prefix_keys_warning, startup_line
 from flatcake.media.pool_dir import ensure_pool_dir
 from flatcake.metrics import REFRESH_S, make_exporter
@@ -86,8 +87,14 @@ class FlatCakeStorage(HybridPoolsMixin, HiCacheStorage):
 
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Optional[dict] = None):
         self.storage_config = storage_config
-        self.cfg: FlatCakeConfig = config_from_extra(storage_config.extra_config if storage_config else None)
+        #: the data-parallel replica SGLang spawned this process for (None: no DP controller)
+        self.replica = sglang_replica()
+        cfg = config_from_extra(storage_config.extra_config if storage_config else None)
+        # {tp_rank}/{pp_rank}/{dp_rank} in ssd.path filled for this rank (ConfigError naming ssd.path)
+        self.cfg: FlatCakeConfig = expand_ssd_paths(cfg, rank_values(storage_config, self.replica))
         ensure_pool_dir(self.cfg.ssd.path)  # fail at construction, naming ssd.path
+        #: this process's pool identity (:mod:`flatcake.adapter.identity`), once registered
+        self.identity: Optional[PoolIdentity] = None
         self.store: Optional[PageStore] = None
         self.layout: Optional[KvPageLayout] = None
         self.mem_pool_host = None
@@ -136,22 +143,25 @@ class FlatCakeStorage(HybridPoolsMixin, HiCacheStorage):
             # ranks follow the writer's pool through its scope journal (flatcake.gva.journal).
             shared = bool(sc and sc.is_mla_model and sc.tp_size > 1)
             role = ("writer" if self.is_writer else "follower") if shared else "single"
-            # attention-DP replicas share namespace and ranks but not pool files
-            instance = f"dp{getattr(sc, 'dp_rank', 0) if sc else 0}"
-            self.store = PageStore(self.cfg, layout.geometry, self.namespace, instance=instance, role=role)
+            # DP replicas and servers sharing ssd.path with this namespace get separate pools
+            # (DP rank, then a free slot or ssd.pool_id); a follower finds its writer's
+            self.store, self.identity = open_pool(
+                lambda instance: PageStore(self.cfg, layout.geometry, self.namespace, instance=instance, role=role),
+                self.cfg, self.namespace, base_identity(sc, self.cfg, self.replica), role)
             self.errors = self.store.errors
             if self._exporter is not None:
                 self._exporter.new_store()
-        self._log_startup(role, instance)
+        self._log_startup(role, self.identity)
 
-    def _log_startup(self, role: str, instance: str) -> None:
+    def _log_startup(self, role: str, ident: PoolIdentity) -> None:
         """Log this rank's start-up line (INFO) and a WARNING each when ``ssd.path`` is the
         per-user default or SGLang passes no prefix keys (:mod:`flatcake.adapter.startup`); the
         namespace goes to DEBUG."""
         sc, store = self.storage_config, self.store
-        ranks = (f"tp {sc.tp_rank}/{sc.tp_size} pp {sc.pp_rank}/{sc.pp_size} {instance}" if sc else instance)
+        ranks = (f"tp {sc.tp_rank}/{sc.tp_size} pp {sc.pp_rank}/{sc.pp_size} {ident.base}" if sc else ident.base)
         log.info("%s", startup_line(
             store.snapshot_stats(), ssd_path=self.cfg.ssd.path, pool_prefix=store.ssd.prefix,
+            pool_identity=ident.describe(),
             file_bytes=self.cfg.ssd.file_bytes, max_files=self.cfg.ssd.max_files, pinned=store.dram.pinned,
             direct_io=store.ssd.direct_io, page_bytes=self.layout.geometry.page_bytes, ranks=ranks, role=role))
         for warning in (default_path_warning(self.cfg.ssd.path), prefix_keys_warning()):

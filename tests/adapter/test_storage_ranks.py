@@ -30,9 +30,11 @@ def test_mla_tp2_follower_rank_sees_the_writer_rank_pages(make_backend):
 
 
 def test_second_writer_on_the_same_pool_fails_at_startup(make_backend):
-    make_backend()
-    with pytest.raises(SsdStartupError, match="in use by another FlatCake process"):
-        make_backend()
+    """One writer per pool: with a fixed ``ssd.pool_id`` there is no other slot to take (without
+    it a second process takes the next free slot: tests/adapter/test_identity.py)."""
+    make_backend(extra={"ssd.pool_id": "srv"})
+    with pytest.raises(SsdStartupError, match="ssd.pool_id 'srv': .*in use by another FlatCake process"):
+        make_backend(extra={"ssd.pool_id": "srv"})
 
 
 def test_follower_starts_over_when_the_writer_restarts(make_backend):
