@@ -307,6 +307,57 @@ class MasConfig(_Section):
         "mas", description="mas = DRAM lane + HRRN SSD lane; fcfs = SGLang's single FIFO I/O thread")
 
 
+class ClusterConfig(_Section):
+    """One cache across nodes (docs/cluster.md): the etcd that holds the replicated index and the
+    capacity records. Off (``etcd: []``) the node behaves exactly as a single FlatCake and never
+    imports :mod:`flatcake.cluster`. The cluster node id is the top-level ``node_id`` (the GVA
+    node field): one id per node, registered in etcd at start-up, where a duplicate fails."""
+
+    etcd: list[str] = Field([], description="etcd endpoints http://host:port; [] = no cluster")
+    advertise: Optional[str] = Field(None, description="host:port other nodes reach this node at (data plane)")
+    prefix: str = Field("/flatcake", description="etcd key prefix of this cluster")
+    lease_ttl_s: int = Field(10, ge=2, le=3600, description="seconds a dead node's records outlive it")
+    capacity_interval_s: float = Field(1.0, gt=0, description="seconds between free-space publications")
+    timeout_s: float = Field(2.0, gt=0, description="seconds per etcd request")
+    watch_idle_s: float = Field(10.0, gt=0, description="a silent index watch is re-opened after this many seconds")
+
+    @field_validator("etcd")
+    @classmethod
+    def _endpoints(cls, v: list[str]) -> list[str]:
+        import re as _re
+
+        for ep in v:
+            m = _re.match(r"^(https?://)?([^/:\s]+|\[[0-9a-fA-F:]+\]):(\d{1,5})/?$", ep)
+            if not m or not 0 < int(m.group(3)) < 65536:
+                raise ValueError(f"{ep!r} is not http(s)://host:port")
+        if len(set(v)) != len(v):
+            raise ValueError("an endpoint is listed twice")
+        return v
+
+    @field_validator("prefix")
+    @classmethod
+    def _prefix(cls, v: str) -> str:
+        import re as _re
+
+        if not _re.match(r"^/[A-Za-z0-9._/-]*[A-Za-z0-9._-]$", v) or "//" in v:
+            raise ValueError("must start with '/', not end with '/', and hold letters, digits, '.', '_', '-', '/'")
+        return v
+
+    @field_validator("advertise")
+    @classmethod
+    def _advertise(cls, v: Optional[str]) -> Optional[str]:
+        import re as _re
+
+        if v is not None and not _re.match(r"^([^/:\s]+|\[[0-9a-fA-F:]+\]):\d{1,5}$", v):
+            raise ValueError(f"{v!r} is not host:port")
+        return v
+
+    @property
+    def enabled(self) -> bool:
+        """True when ``etcd`` lists at least one endpoint."""
+        return bool(self.etcd)
+
+
 class FlatCakeConfig(_Section):
     """All FlatCake backend settings. Unknown keys are errors (``extra='forbid'``)."""
 
@@ -316,6 +367,7 @@ class FlatCakeConfig(_Section):
     placement: PlacementConfig = PlacementConfig()
     cio: CioConfig = CioConfig()
     mas: MasConfig = MasConfig()
+    cluster: ClusterConfig = ClusterConfig()
     # Sections used only by scripts (replay, benchmarks); the backend ignores them.
     model: Optional[dict[str, Any]] = None
     replay: Optional[dict[str, Any]] = None
