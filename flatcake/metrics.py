@@ -73,6 +73,11 @@ _GAUGES = {
     "medium_state": ("1 for the medium's current state (healthy, degraded, disabled), 0 for the others.",
                      ("medium", "state")),
     "ssd_files_out_of_service": ("SSD pool files taken out of service (refused writes).", ()),
+    "ssd_drive_used_bytes": ("SSD bytes allocated to extents, per drive (ssd.path entry).", ("drive", "path")),
+    "ssd_drive_capacity_bytes": ("SSD capacity in service, per drive (its files in service x file bytes).",
+                                 ("drive", "path")),
+    "ssd_drive_state": ("1 for the drive's current state (healthy, degraded, disabled), 0 for the others.",
+                        ("drive", "path", "state")),
     "pages_indexed": ("Pages the store currently serves.", ()),
     "scopes": ("Scopes the store currently holds.", ()),
 }
@@ -154,9 +159,21 @@ class FlatCakeMetrics:
                 fams["medium_state"].labels(*lab, medium, state).set(1 if st.get("state") == state else 0)
             if medium == "ssd":
                 fams["ssd_files_out_of_service"].labels(*lab).set(len(st.get("files_out_of_service", ())))
+                self._update_drives(st.get("drives", ()))
         for name in ("pages_indexed", "scopes"):
             if name in snap:
                 fams[name].labels(*lab).set(snap[name])
+
+
+    def _update_drives(self, drives) -> None:
+        """Per-drive SSD gauges (label ``drive``: index into ``ssd.path``; ``path``: its directory)."""
+        fams, lab = self._fams, self.labels
+        for d in drives:
+            dl = (str(d.get("drive", "")), str(d.get("path", "")))
+            fams["ssd_drive_used_bytes"].labels(*lab, *dl).set(d.get("used_bytes", 0))
+            fams["ssd_drive_capacity_bytes"].labels(*lab, *dl).set(d.get("capacity_bytes", 0))
+            for state in MEDIUM_STATES:
+                fams["ssd_drive_state"].labels(*lab, *dl, state).set(1 if d.get("state") == state else 0)
 
 
 def make_exporter(labels: dict, registry=None) -> Optional[FlatCakeMetrics]:

@@ -215,6 +215,21 @@ class GvaIndex:
             del self.tails[scope.tail_key]
         return n
 
+    def unpublish_pages_locked(self, scope: SessionScope, lost) -> int:
+        """Remove the keys of ``scope`` whose entry ``lost(entry)`` says is gone (their bytes
+        were on a failed drive), from the index and from ``scope.keys``; the scope, its other
+        pages and its tail stay. Returns how many keys were removed."""
+        keep, n = [], 0
+        for k in scope.keys:
+            e = self._map.get(k)
+            if e is not None and e.scope is scope and lost(e):
+                del self._map[k]
+                n += 1
+            else:
+                keep.append(k)
+        scope.keys = keep
+        return n
+
     def unpublish_scope_locked(self, scope: SessionScope) -> int:
         """Remove every key of a retired scope and the scope itself; returns keys removed."""
         n = self.hide_scope_locked(scope)

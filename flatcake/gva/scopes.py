@@ -27,6 +27,7 @@ from typing import Optional, Sequence
 from flatcake.config import FlatCakeConfig
 from flatcake.errorlog import ErrorLog
 from flatcake.gva.address import MEDIUM_DRAM, MEDIUM_SSD
+from flatcake.gva.drive_faults import drop_pages_in_files_locked
 from flatcake.gva.index import GvaIndex, KeyClaims, PageEntry, SessionScope
 from flatcake.gva.journal import COMPACT_MIN_ENTRIES, RETIRE, ROUND, JournalEntry, JournalWriter
 from flatcake.gva.placement import Placement, PlacementDecision, PlacementPolicy, PlacementSignals, ReuseScope, reuse_code
@@ -239,7 +240,8 @@ class ScopeTable:
                 scope.tail_offset += nbytes
                 return ext.file_index, off, None, ext.offset
         need = nbytes + fmt.BLOCK
-        ext = self.ssd.allocate_locked(need)
+        after = scope.extents[-1].file_index if scope.extents else None  # round-robin over drives
+        ext = self.ssd.allocate_locked(need, after)
         if ext is None and not evict:
             return None
         if ext is None:  # admission before eviction: evict only if that makes the round fit
@@ -251,7 +253,7 @@ class ScopeTable:
         while ext is None:  # no free range fits (full or fragmented): free oldest scopes one by one
             if not self.reclaim_one_locked(MEDIUM_SSD, exclude=scope):
                 return None
-            ext = self.ssd.allocate_locked(need)
+            ext = self.ssd.allocate_locked(need, after)
         scope.extents.append(ext)
         scope.nbytes += ext.nbytes
         scope.tail_offset = ext.offset + fmt.BLOCK + nbytes
@@ -302,6 +304,8 @@ class ScopeTable:
             self.dram.free_locked(plc.slots)
             return
         lay = plc.layout
+        if self.ssd.generation_of(plc.extent_file) != plc.generation:
+            return  # its file was reset or went out of service: the scope lost that extent already
         if scope.tail_offset != plc.round_offset + lay.total_bytes:
             return  # another round was placed after it: the hole stays until the scope goes
         ext = plc.new_extent
@@ -414,7 +418,19 @@ class ScopeTable:
         """Pool file ``file_index`` lost its bytes (removed or truncated behind the backend, or
         taken out of service): drop every scope with an extent in it. A pinned one loses that
         file's extents now (their space is not the pool's any more) and is freed when its last
-        pin goes. Writer lock held."""
+        pin goes. Writer lock held.
+
+        With several drives only the pages in that file go (the scopes keep their other pages,
+        :mod:`flatcake.gva.drive_faults`), and when the file's drive directory is gone the whole
+        drive goes out of service with its pages."""
+        if self.ssd.n_drives > 1:
+            drive = self.ssd.drive_of(file_index)
+            if self.ssd.drive_lost(file_index):
+                drop_pages_in_files_locked(self, self.ssd.drive_files(drive))
+                self.ssd.take_drive_out_of_service_locked(drive, "directory is gone")
+            else:
+                drop_pages_in_files_locked(self, [file_index])
+            return
         for scope in [s for s in self.index.scopes.values() if any(x.file_index == file_index for x in s.extents)]:
             if not self.free_scope_locked(scope):
                 gone = [x for x in scope.extents if x.file_index == file_index]
@@ -425,7 +441,15 @@ class ScopeTable:
     def take_file_out_of_service_locked(self, file_index: int) -> None:
         """Pool file ``file_index`` refuses writes: no more extents in it; its scopes dropped
         from the index but not retired in the journal — their bytes were not lost, so a restart
-        that finds them intact (record and checksums) serves them again. Writer lock held."""
+        that finds them intact (record and checksums) serves them again. Writer lock held.
+
+        With several drives the file's whole drive goes out of service, and only the pages
+        stored on it are dropped (:mod:`flatcake.gva.drive_faults`)."""
+        if self.ssd.n_drives > 1:
+            drive = self.ssd.drive_of(file_index)
+            drop_pages_in_files_locked(self, self.ssd.drive_files(drive))
+            self.ssd.take_drive_out_of_service_locked(drive, "refuses writes")
+            return
         for scope in self.index.scopes.values():
             if any(x.file_index == file_index for x in scope.extents):
                 scope.keep_on_disk = True

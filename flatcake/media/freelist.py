@@ -65,6 +65,19 @@ class FreeRanges:
             self.lens[i - 1] += self.lens.pop(i)
             self.starts.pop(i)
 
+    def fits_with(self, n: int, extra: "list[tuple[int, int]] | tuple" = ()) -> bool:
+        """Whether a free run of ``n`` bytes exists once the ``(start, length)`` ranges in
+        ``extra`` (used now, about to be freed) are free too (admission before eviction)."""
+        run_start, run_end = None, None
+        for s, ln in sorted(list(zip(self.starts, self.lens)) + list(extra)):
+            if run_end is not None and s == run_end:
+                run_end = s + ln
+            else:
+                run_start, run_end = s, s + ln
+            if run_end - run_start >= n:
+                return True
+        return False
+
     @property
     def free_bytes(self) -> int:
         return sum(self.lens)

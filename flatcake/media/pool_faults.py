@@ -1,7 +1,8 @@
 """Fault states of the SSD pool's files (paper §3.1: a page read back is the page written, or a
 miss): file generations, a file reset after it was removed or truncated behind the backend, a
 file taken out of service when it refuses writes and put back when it takes them again, and the
-pool's health.
+pool's health, per drive and in all (:mod:`flatcake.media.drives`: with several drives, a
+drive whose files refuse writes or whose directory is gone goes out of service as a whole).
 
 Lifecycle of a pool file::
 
@@ -11,6 +12,11 @@ Lifecycle of a pool file::
                                                           no extents, not in the capacity
     out of service --(every OUT_OF_SERVICE_RETRY_S: first block rewritten unchanged)--> in
                                                           service, empty, new generation
+    a drive (several drives) --(its files refuse writes, or its directory is gone)--> all of its
+                                                          files out of service (the directory is
+                                                          never recreated: its mount point may be
+                                                          on another filesystem); each comes back
+                                                          as above once the directory is there
 
 :class:`PoolFileFaults` is a mixin of :class:`flatcake.media.ssd.SsdFilePool` (it uses the pool's
 fds, free lists and generation table); methods suffixed ``_locked`` expect the store's writer lock.
@@ -23,6 +29,7 @@ import os
 import time
 
 from flatcake.media import pool_dir
+from flatcake.media.drives import drive_state
 from flatcake.media.errors import SsdStartupError
 
 log = logging.getLogger("flatcake.ssd")
@@ -49,7 +56,9 @@ class PoolFileFaults:
         every scope with an extent in it.
 
         Raises:
-            OSError: ``ssd.path`` cannot be recreated (the file is still forgotten).
+            OSError: ``ssd.path`` cannot be recreated (the file is still forgotten). With several
+                drives a drive's directory is never recreated (a file of a drive whose directory
+                is gone cannot be created until it is back).
         """
         self._generation[file_index] = self.generation_of(file_index) + 1
         self._close_fd(file_index)
@@ -62,7 +71,8 @@ class PoolFileFaults:
         fr = self._free.pop(file_index, None)
         if fr is not None:
             self.used_bytes -= self.file_bytes - fr.free_bytes
-        os.makedirs(self.cfg.path, exist_ok=True)
+        if self.n_drives == 1:
+            os.makedirs(self.drives[0].path, exist_ok=True)
 
     def take_out_of_service_locked(self, file_index: int) -> None:
         """Pool file ``file_index`` refuses writes (EIO, EROFS, EPERM): allocate nothing more in
@@ -79,6 +89,27 @@ class PoolFileFaults:
         log.error("flatcake: pool file %s refuses writes; taken out of service (%d of %d files left)",
                   self.path_of(file_index), self.max_files - len(self.out_of_service), self.max_files)
 
+    def take_drive_out_of_service_locked(self, drive: int, why: str) -> None:
+        """Drive ``drive`` failed (``why``: its files refuse writes, or its directory is gone):
+        every file of it goes out of service (none allocated, none in the capacity, their pages
+        misses by generation). The caller drops the pages stored on it."""
+        files = self.drive_files(drive)
+        if all(i in self.out_of_service for i in files):
+            return
+        for i in files:
+            self._out_of_service_at[i] = time.monotonic()
+            if i not in self.out_of_service:
+                self.out_of_service.add(i)
+                self._generation[i] = self.generation_of(i) + 1
+                fr = self._free.pop(i, None)
+                if fr is not None:
+                    self.used_bytes -= self.file_bytes - fr.free_bytes
+                self._close_fd(i)
+        lost = sum(1 for d in range(self.n_drives) if self.drive_health(d) == "disabled")
+        log.error("flatcake: SSD drive %s (ssd.path[%d]) %s; taken out of service with its %d files "
+                  "(%d of %d drives left)", self.drives[drive].path, drive, why, len(files), self.n_drives - lost,
+                  self.n_drives)
+
     def _retry_out_of_service_locked(self) -> None:
         """Put back in service each file out of service for :data:`OUT_OF_SERVICE_RETRY_S` that
         takes a write again: its first 4 KiB block is read and written back unchanged (a
@@ -90,6 +121,8 @@ class PoolFileFaults:
             if now - self._out_of_service_at.get(i, now) < OUT_OF_SERVICE_RETRY_S:
                 continue
             self._out_of_service_at[i] = now
+            if not os.path.isdir(os.path.dirname(self.path_of(i))):  # its drive is gone: stays out
+                continue
             exists = os.path.exists(self.path_of(i))  # if not (never created, or removed): created on demand
             try:
                 if exists:
@@ -109,20 +142,43 @@ class PoolFileFaults:
                 continue
             log.warning("flatcake: pool file %s takes writes again; back in service (empty)", self.path_of(i))
 
+    def drive_health(self, drive: int) -> str:
+        """Drive ``drive``'s state (:func:`flatcake.media.drives.drive_state`)."""
+        d = self.drives[drive]
+        return drive_state(self.drive_files(drive), self.out_of_service, bool(d.create_blocked_at),
+                           os.path.isdir(d.path))
+
     def health(self) -> str:
-        """``"healthy"``; ``"degraded"`` (files out of service, or a file cannot be created for
-        lack of space); ``"disabled"`` (every file is out of service)."""
+        """``"healthy"``; ``"degraded"`` (files or drives out of service, or a file cannot be
+        created for lack of space); ``"disabled"`` (every file is out of service)."""
         if len(self.out_of_service) >= self.max_files:
             return "disabled"
-        if self.out_of_service or self._create_blocked_at:
+        if self.out_of_service or any(d.create_blocked_at for d in self.drives):
             return "degraded"
         return "healthy"
+
+    def drive_states(self) -> list[dict]:
+        """Per drive (``ssd.path`` order): ``drive`` (index), ``path``, ``state``
+        (:meth:`drive_health`), ``files`` (pool files it may hold), ``files_out_of_service``,
+        ``used_bytes`` (allocated to extents), ``capacity_bytes`` (files in service ×
+        ``file_bytes``) and ``configured_capacity_bytes`` (files × ``file_bytes``)."""
+        out = []
+        for d in self.drives:
+            files = self.drive_files(d.index)
+            oos = [i for i in files if i in self.out_of_service]
+            frs = [self._free.get(i) for i in files]  # no lock: a file may leave the dict meanwhile
+            used = sum(self.file_bytes - fr.free_bytes for fr in frs if fr is not None)
+            out.append({"drive": d.index, "path": d.path, "state": self.drive_health(d.index), "files": len(files),
+                        "files_out_of_service": oos, "used_bytes": used,
+                        "capacity_bytes": (len(files) - len(oos)) * self.file_bytes,
+                        "configured_capacity_bytes": len(files) * self.file_bytes})
+        return out
 
     def state(self) -> dict:
         """The pool's health for the stats: ``state`` (:meth:`health`), ``used_bytes``,
         ``capacity_bytes`` (in service), ``configured_capacity_bytes``, ``files_out_of_service``,
-        ``stale_pools_removed`` (since start-up)."""
+        ``stale_pools_removed`` (since start-up) and ``drives`` (:meth:`drive_states`)."""
         return {"state": self.health(), "used_bytes": self.used_bytes, "capacity_bytes": self.capacity_bytes,
                 "configured_capacity_bytes": self.configured_capacity_bytes,
                 "files_out_of_service": sorted(self.out_of_service),
-                "stale_pools_removed": len(self.removed_stale_pools)}
+                "stale_pools_removed": len(self.removed_stale_pools), "drives": self.drive_states()}

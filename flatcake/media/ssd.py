@@ -6,8 +6,9 @@ Lifecycle of SSD space::
       -> allocate extent (best fit, 4 KiB granularity; a file is created + fallocated on first use)
       -> append rounds  ->  free extent (whole scope reclaimed)
 
-* Files: ``{ssd.path}/fc-{namespace digest}-{NNNNN}.pool``, ``ssd.file_bytes`` each, at most
-  ``ssd.max_files``. The namespace digest in the name keeps TP ranks and models that share a
+* Files: ``{drive}/fc-{namespace digest}-{NNNNN}.pool``, ``ssd.file_bytes`` each, at most
+  ``ssd.max_files`` in all; ``{drive}`` is ``ssd.path``, or with several drives (``ssd.path`` a
+  list) ``ssd.path[NNNNN mod n_drives]`` (:mod:`flatcake.media.drives`). The namespace digest in the name keeps TP ranks and models that share a
   directory apart. A file is never renamed by FlatCake, and truncated only at start-up when
   ``ssd.file_bytes`` was lowered (before any reader opens it), so readers may cache fds. A file
   found removed or truncated behind the backend is unlinked and recreated as a new inode
@@ -18,7 +19,9 @@ Lifecycle of SSD space::
   lowest address first), so the pool fills densely whatever the session size; an extent grows
   in place while the range after it is free (:meth:`SsdFilePool.try_extend_locked`), else the
   session continues in a new extent.
-* SSD GVA offset = ``file_index * file_bytes + offset_in_file``.
+* SSD GVA offset = ``file_index * file_bytes + offset_in_file`` (whatever drive the file is on).
+* With several drives a scope's extents go round-robin over them (``allocate_locked(after=)``)
+  and an extent never grows in place (each round opens an extent on the next drive).
 * Every write buffer, offset and length is 4 KiB aligned (O_DIRECT and GDS). Whether the
   filesystem takes O_DIRECT is probed here, once, at start-up (one log line if it does not).
 * Faults: a file that cannot be created (``ENOSPC``, ...) is logged once per errno and its
@@ -36,7 +39,6 @@ import errno
 import logging
 import os
 import threading
-import time
 from dataclasses import dataclass
 from typing import Optional
 
@@ -45,6 +47,7 @@ from flatcake.config import SsdConfig
 from flatcake.errorlog import ErrorLog
 from flatcake.media import pool_dir
 from flatcake.media.errors import PoolFileGone, ShortWrite, SsdStartupError, StaleGeneration
+from flatcake.media.drives import Drive, check_drive_count, drive_of, files_on, misplaced
 from flatcake.media.pool_dir import ensure_pool_dir
 from flatcake.media.pool_faults import PoolFileFaults
 from flatcake.media.directio import probe_direct_io
@@ -55,9 +58,6 @@ log = logging.getLogger("flatcake.ssd")
 
 #: errnos with which a pool file refuses writes for good: it is taken out of service
 REFUSED_ERRNOS = frozenset({errno.EIO, errno.EROFS, errno.EPERM, errno.EACCES})
-
-#: seconds between two checks of whether a full filesystem has room for a new pool file again
-CREATE_RETRY_CHECK_S = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,10 +74,11 @@ class Extent:
 
 
 class SsdFilePool(PoolFileFaults):
-    """The node's SSD address space: up to ``max_files`` preallocated files of ``file_bytes``.
+    """The node's SSD address space: up to ``max_files`` preallocated files of ``file_bytes``,
+    spread over the drives of ``ssd.path`` (file ``i`` on drive ``i mod n_drives``).
 
     Args:
-        cfg: the ``ssd`` config section.
+        cfg: the ``ssd`` config section (``cfg.paths``: one directory per drive).
         namespace: the backend namespace (names the files).
         instance: extra name component (attention-DP replica).
         follower: open another process's pool read-only (MLA follower ranks): no lock, no files
@@ -85,15 +86,18 @@ class SsdFilePool(PoolFileFaults):
         errors: the store's error-once log (file creation and write faults).
 
     Attributes:
+        drives: one :class:`~flatcake.media.drives.Drive` per ``ssd.path`` directory, in order.
         capacity_bytes: bytes of the files in service (``max_files × file_bytes`` minus files
             taken out of service); watermarks are fractions of it.
         used_bytes: bytes allocated to extents.
         direct_io: whether the filesystem took O_DIRECT at the start-up probe.
 
     Raises:
-        SsdStartupError: ``ssd.path`` cannot be created, is not a writable directory, the pool
-            is in use by another process, or its first file cannot be created (message names
-            ``ssd.path`` and the errno). Nothing stays open after the error.
+        SsdStartupError: a drive's directory cannot be created, is not a writable directory,
+            the pool is in use by another process, or the first file of a drive cannot be
+            created (the message names that ``ssd.path`` directory and the errno). Nothing stays
+            open after the error.
+        ConfigError: ``ssd.max_files`` is below the number of drives.
     """
 
     def __init__(self, cfg: SsdConfig, namespace: str, instance: str = "", follower: bool = False,
@@ -105,96 +109,134 @@ class SsdFilePool(PoolFileFaults):
         self.follower = follower
         self.errors = errors if errors is not None else ErrorLog(log)
         self.prefix = "fc-" + namespace_digest(namespace + "|" + instance).hex()[:16]
+        self.drives = [Drive(d, p) for d, p in enumerate(cfg.paths or (cfg.path,))]
+        self.n_drives = len(self.drives)
         self._fds: dict[int, int] = {}
         self._fd_lock = threading.Lock()
         self._free: dict[int, FreeRanges] = {}  # files in service that exist
         self.out_of_service: set[int] = set()
         self._out_of_service_at: dict[int, float] = {}  # file index -> time.monotonic() of the last refusal
         self.used_bytes = 0
-        self._lock_fd = -1
+        self._lock_fds: list[int] = []
         self._generation: dict[int, int] = {}  # file index -> times it was reset or taken out of service
         self._writes = 0  # writes in flight (an fd they use is closed only once they are done)
         self._retired_fds: list[int] = []
-        self._create_blocked_at = 0.0  # time.monotonic() of the last creation failure (0: none)
-        self._create_checked_at = 0.0
+        self._next_drive = 0  # drive of the next new scope's first extent (round-robin)
         self.removed_stale_pools: list[str] = []
-        ensure_pool_dir(cfg.path)
-        self.direct_io = self._probe(cfg)
+        check_drive_count(self.n_drives, self.max_files)
+        for drive in self.drives:  # every drive, naming the one that fails
+            ensure_pool_dir(drive.path)
+        self.direct_io = self._probe(cfg, [d.path for d in self.drives])
         if follower:  # reads the writer's files; creates and locks nothing
             return
         try:
             self._take_writer_lock()
             self._open_existing()
-            if 0 not in self._free:  # fail now, not at the first write: create the first pool file
-                self._make_room(self.file_bytes)
-                self._open_file(0, create=True)
+            for d in range(self.n_drives):  # fail now, not at the first write: the first file of each drive
+                if d not in self._free:
+                    self._make_room(self.file_bytes, d)
+                    self._open_file(d, create=True)
         except BaseException:
             self.close()
             raise
 
     @staticmethod
-    def _probe(cfg: SsdConfig) -> bool:
+    def _probe(cfg: SsdConfig, paths: list[str]) -> bool:
+        """Whether every drive takes O_DIRECT (one answer for the pool: the readers open every
+        file the same way); ``ssd.direct_io: on`` fails naming the first drive that refuses."""
         if cfg.direct_io == "off":
             return False
-        ok = probe_direct_io(cfg.path)
-        if not ok:
+        refused = [p for p in paths if not probe_direct_io(p)]
+        if refused:
             if cfg.direct_io == "on":
-                raise SsdStartupError(f"ssd.path {cfg.path!r}: filesystem refuses O_DIRECT (ssd.direct_io: on)")
-            log.warning("ssd.path %s refuses O_DIRECT; using buffered I/O", cfg.path)
-        return ok
+                raise SsdStartupError(f"ssd.path {refused[0]!r}: filesystem refuses O_DIRECT (ssd.direct_io: on)")
+            log.warning("ssd.path %s refuses O_DIRECT; using buffered I/O", ", ".join(refused))
+        return not refused
 
     def _take_writer_lock(self) -> None:
-        """One writer per pool (:func:`flatcake.media.pool_dir.take_writer_lock`)."""
-        self._lock_fd = pool_dir.take_writer_lock(self.cfg.path, self.prefix)
+        """One writer per pool (:func:`flatcake.media.pool_dir.take_writer_lock`), on every drive:
+        another process with the same pool identity must not write any of them."""
+        for drive in self.drives:
+            self._lock_fds.append(pool_dir.take_writer_lock(drive.path, self.prefix))
 
     def _open_existing(self) -> None:
         """Open this pool's files left by an earlier run (all of their space free until the
-        rebuild takes what it recovers); delete its files beyond ``max_files``."""
-        mine = pool_dir.scan(self.cfg.path).get(self.prefix)
-        for tmp in mine.tmp_paths if mine else []:  # a compaction a crash left unfinished
-            try:
-                os.unlink(tmp)
-            except OSError as e:
-                self.errors("remove journal tmp file", e)
-        for i in sorted(mine.pool_indices if mine else []):
-            if i >= self.max_files:
-                try:
-                    os.unlink(self.path_of(i))
-                    log.warning("flatcake: removed pool file %s beyond ssd.max_files=%d", self.path_of(i), self.max_files)
-                except OSError as e:
-                    self.errors("remove pool file", e)
+        rebuild takes what it recovers); delete its files beyond ``max_files``, files found on
+        another drive than the one the drive list gives them, and journals off the first drive
+        (the drive list changed: their bytes are never served)."""
+        for drive in self.drives:
+            mine = pool_dir.scan(drive.path).get(self.prefix)
+            if mine is None:
                 continue
-            try:
-                if os.stat(self.path_of(i)).st_size > self.file_bytes:  # ssd.file_bytes was lowered
-                    os.truncate(self.path_of(i), self.file_bytes)  # rounds past the new end are dropped
-                self._open_file(i, create=False)
-            except (OSError, SsdStartupError) as e:
-                log.warning("flatcake: pool file %s unusable (%s); it will be recreated", self.path_of(i), e)
+            stale = list(mine.tmp_paths)  # a compaction a crash left unfinished
+            if drive.index:
+                stale += [p for p in mine.paths if p.endswith(".journal")]
+            for path in stale:
+                self._unlink(path, "remove stale journal file")
+            for i in sorted(mine.pool_indices):
+                path = os.path.join(drive.path, f"{self.prefix}-{i:05d}.pool")
+                if i >= self.max_files or misplaced(i, drive.index, self.n_drives):
+                    if self._unlink(path, "remove pool file"):
+                        log.warning("flatcake: removed pool file %s (%s)", path, "beyond ssd.max_files=%d" % self.max_files
+                                    if i >= self.max_files else "the ssd.path drive list changed")
+                    continue
+                try:
+                    if os.stat(path).st_size > self.file_bytes:  # ssd.file_bytes was lowered
+                        os.truncate(path, self.file_bytes)  # rounds past the new end are dropped
+                    self._open_file(i, create=False)
+                except (OSError, SsdStartupError) as e:
+                    log.warning("flatcake: pool file %s unusable (%s); it will be recreated", path, e)
+
+    def _unlink(self, path: str, what: str) -> bool:
+        try:
+            os.unlink(path)
+            return True
+        except OSError as e:
+            self.errors(what, e)
+            return False
 
     @property
     def journal_path(self) -> str:
-        """The pool journal (:mod:`flatcake.gva.journal`)."""
-        return os.path.join(self.cfg.path, self.prefix + ".journal")
+        """The pool journal (:mod:`flatcake.gva.journal`), on the first drive."""
+        return os.path.join(self.drives[0].path, self.prefix + ".journal")
 
     @property
     def capacity_bytes(self) -> int:
         """Bytes of the pool's files in service."""
         return (self.max_files - len(self.out_of_service)) * self.file_bytes
 
-    # ------------------------------------------------------------------ files
+    # ------------------------------------------------------------------ files and drives
     def path_of(self, file_index: int) -> str:
-        """Path of pool file ``file_index``."""
-        return os.path.join(self.cfg.path, f"{self.prefix}-{file_index:05d}.pool")
+        """Path of pool file ``file_index`` (on drive ``file_index mod n_drives``)."""
+        return os.path.join(self.drives[drive_of(file_index, self.n_drives)].path, f"{self.prefix}-{file_index:05d}.pool")
 
-    def own_bytes(self) -> int:
-        """Bytes this pool's files (and journal) take on disk."""
-        mine = pool_dir.scan(self.cfg.path).get(self.prefix)
-        return mine.nbytes if mine else 0
+    def drive_of(self, file_index: int) -> int:
+        """Index into ``ssd.path`` of the drive holding pool file ``file_index``."""
+        return drive_of(file_index, self.n_drives)
 
-    def _make_room(self, extra_bytes: int) -> None:
-        """Delete stale pools until this pool, ``extra_bytes`` more, fits the capacity."""
-        self.removed_stale_pools += pool_dir.make_room(self.cfg.path, self.prefix, self.own_bytes() + extra_bytes,
-                                                       self.configured_capacity_bytes)
+    def drive_files(self, drive: int) -> range:
+        """The pool file indices drive ``drive`` holds (``drive, drive + n_drives, ...``)."""
+        return files_on(drive, self.n_drives, self.max_files)
+
+    def drive_lost(self, file_index: int) -> bool:
+        """True when, with several drives, the directory of ``file_index``'s drive is gone (a
+        drive that fell off or was unmounted): the drive goes out of service as a whole."""
+        return self.n_drives > 1 and not os.path.isdir(self.drives[self.drive_of(file_index)].path)
+
+    def own_bytes(self, drive: Optional[int] = None) -> int:
+        """Bytes this pool's files (and journal) take on disk: on drive ``drive``, or on all."""
+        total = 0
+        for d in self.drives if drive is None else [self.drives[drive]]:
+            mine = pool_dir.scan(d.path).get(self.prefix)
+            total += mine.nbytes if mine else 0
+        return total
+
+    def _make_room(self, extra_bytes: int, drive: int) -> None:
+        """Delete stale pools on drive ``drive`` until this pool's bytes there, ``extra_bytes``
+        more, fit its share of the capacity (its files × ``file_bytes``)."""
+        d = self.drives[drive]
+        self.removed_stale_pools += pool_dir.make_room(d.path, self.prefix, self.own_bytes(drive) + extra_bytes,
+                                                       len(self.drive_files(drive)) * self.file_bytes)
 
     def _open_file(self, i: int, create: bool) -> int:
         """Open (and with ``create``, create and fallocate) pool file ``i``.
@@ -210,7 +252,7 @@ class SsdFilePool(PoolFileFaults):
             path = self.path_of(i)
             existed = os.path.exists(path)
             if not existed and not create:
-                raise SsdStartupError(f"ssd.path {self.cfg.path!r}: pool file {path} does not exist")
+                raise SsdStartupError(f"ssd.path {os.path.dirname(path)!r}: pool file {path} does not exist")
             flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0) | (os.O_DIRECT if self.direct_io else 0)
             fd = -1
             try:
@@ -228,96 +270,96 @@ class SsdFilePool(PoolFileFaults):
                     except OSError:
                         pass
                 raise SsdStartupError(
-                    f"ssd.path {self.cfg.path!r}: cannot create pool file {path}: [errno {e.errno}] {e.strerror}"
+                    f"ssd.path {os.path.dirname(path)!r}: cannot create pool file {path}: [errno {e.errno}] {e.strerror}"
                 ) from e
             self._fds[i] = fd
             if i not in self._free:
                 self._free[i] = FreeRanges(self.file_bytes)
             return fd
 
-    def _may_create(self) -> bool:
-        """Whether to try creating a pool file now: always, unless the last creation failed and
-        the filesystem still has no room for a file (checked at most once a second)."""
-        if not self._create_blocked_at:
-            return True
-        now = time.monotonic()
-        if now - self._create_checked_at < CREATE_RETRY_CHECK_S:
-            return False
-        self._create_checked_at = now
-        try:
-            st = os.statvfs(self.cfg.path)
-        except OSError:
-            return False
-        return st.f_bavail * st.f_frsize >= self.file_bytes
-
-    def _create_next_locked(self) -> Optional[int]:
-        """Create the lowest-numbered missing pool file; its index, or None (logged once per errno)."""
-        if not self._may_create():
+    def _creatable(self, drive: int) -> Optional[int]:
+        """The lowest-numbered pool file of ``drive`` not created and not out of service, if
+        the drive may create one now (:meth:`Drive.may_create`); else None."""
+        if not self.drives[drive].may_create(self.file_bytes):
             return None
-        i = next(i for i in range(self.max_files) if i not in self._free and i not in self.out_of_service)
+        return next((i for i in self.drive_files(drive) if i not in self._free and i not in self.out_of_service), None)
+
+    def _can_create_any(self) -> bool:
+        return any(self._creatable(d) is not None for d in range(self.n_drives))
+
+    def _create_on_locked(self, drive: int) -> Optional[int]:
+        """Create the lowest-numbered missing pool file of ``drive``; its index, or None (logged
+        once per errno; the drive then waits for room before the next try)."""
+        i = self._creatable(drive)
+        if i is None:
+            return None
         try:
-            self._make_room(self.file_bytes)
+            self._make_room(self.file_bytes, drive)
             self._open_file(i, create=True)
         except SsdStartupError as e:
-            self._create_blocked_at = self._create_checked_at = time.monotonic()
+            self.drives[drive].block_creation()
             self.errors("create pool file", e.__cause__ if isinstance(e.__cause__, OSError) else e)
             return None
-        self._create_blocked_at = 0.0
+        self.drives[drive].create_blocked_at = 0.0
         return i
 
     # ------------------------------------------------------------------ allocation (writer lock held)
-    def allocate_locked(self, nbytes: int) -> Extent | None:
-        """A new extent of ``nbytes`` (rounded up to 4 KiB): best fit over the files in service,
-        else in a newly created file; ``None`` if nothing holds it (the caller reclaims and
-        retries)."""
+    def allocate_locked(self, nbytes: int, after: Optional[int] = None) -> Extent | None:
+        """A new extent of ``nbytes`` (rounded up to 4 KiB): best fit over a drive's files in
+        service, else in a newly created file of that drive; ``None`` if nothing holds it (the
+        caller reclaims and retries).
+
+        Args:
+            after: the pool file of the scope's last extent, or None for a new scope. Drives
+                are tried in order from the one after ``after``'s drive (a new scope: from the
+                drive after the last new scope's), so a scope's extents go round-robin over the
+                drives. With one drive: best fit over all files, else a new file.
+        """
         n = align_up(nbytes)
         if self.out_of_service:
             self._retry_out_of_service_locked()
-        best = None  # (len, file, start)
-        for f, fr in self._free.items():
-            fit = fr.best_fit(n)
-            if fit is not None and (best is None or (fit[1], f, fit[0]) < best):
-                best = (fit[1], f, fit[0])
-        if best is None and len(self._free) + len(self.out_of_service) < self.max_files and n <= self.file_bytes:
-            f = self._create_next_locked()
-            if f is not None:
-                best = (self.file_bytes, f, 0)
-        if best is None:
-            return None
-        _, f, start = best
-        self._free[f].take(start, n)
-        self.used_bytes += n
-        return Extent(f, start, n)
+        if after is not None:
+            start = self.drive_of(after) + 1
+        else:
+            start, self._next_drive = self._next_drive, self._next_drive + 1
+        for k in range(self.n_drives):
+            d = (start + k) % self.n_drives
+            best = None  # (len, file, start)
+            for f in self.drive_files(d):
+                fr = self._free.get(f)
+                fit = fr.best_fit(n) if fr is not None else None
+                if fit is not None and (best is None or (fit[1], f, fit[0]) < best):
+                    best = (fit[1], f, fit[0])
+            if best is None and n <= self.file_bytes:
+                f = self._create_on_locked(d)
+                if f is not None:
+                    best = (self.file_bytes, f, 0)
+            if best is not None:
+                _, f, off = best
+                self._free[f].take(off, n)
+                self.used_bytes += n
+                return Extent(f, off, n)
+        return None
 
     def largest_free_range(self) -> int:
         """Bytes of the largest free range over the files in service (a file this pool may
         still create counts as one free range of ``file_bytes``)."""
         best = max((fr.largest() for fr in self._free.values()), default=0)
-        if len(self._free) + len(self.out_of_service) < self.max_files and self._may_create():
-            best = max(best, self.file_bytes)
+        if best < self.file_bytes and self._can_create_any():
+            best = self.file_bytes
         return best
 
     def fits_after_freeing_locked(self, nbytes: int, freeable: list[Extent]) -> bool:
         """Whether an extent of ``nbytes`` could be allocated once the ``freeable`` extents are
         freed (admission before eviction): a free range, or one a new file would give."""
         n = align_up(nbytes)
-        if len(self._free) + len(self.out_of_service) < self.max_files and n <= self.file_bytes and self._may_create():
+        if n <= self.file_bytes and self._can_create_any():
             return True
         by_file: dict[int, list[tuple[int, int]]] = {}
         for e in freeable:
             if e.file_index in self._free:
                 by_file.setdefault(e.file_index, []).append((e.offset, e.nbytes))
-        for f, fr in self._free.items():
-            ranges = sorted(list(zip(fr.starts, fr.lens)) + by_file.get(f, []))
-            run_start, run_end = None, None
-            for s, ln in ranges:
-                if run_end is not None and s == run_end:
-                    run_end = s + ln
-                else:
-                    run_start, run_end = s, s + ln
-                if run_end - run_start >= n:
-                    return True
-        return False
+        return any(fr.fits_with(n, by_file.get(f, ())) for f, fr in self._free.items())
 
     def take_locked(self, file_index: int, offset: int, nbytes: int) -> bool:
         """Mark ``[offset, offset + nbytes)`` of a file in service used (restart rebuild);
@@ -329,9 +371,10 @@ class SsdFilePool(PoolFileFaults):
         return True
 
     def try_extend_locked(self, ext: Extent, nbytes: int) -> Extent | None:
-        """Grow ``ext`` in place by ``nbytes`` (4 KiB aligned) if the range after it is free."""
+        """Grow ``ext`` in place by ``nbytes`` (4 KiB aligned) if the range after it is free.
+        Never with several drives: the scope's next round opens an extent on the next drive."""
         n = align_up(nbytes)
-        fr = self._free.get(ext.file_index)
+        fr = self._free.get(ext.file_index) if self.n_drives == 1 else None
         if fr is not None and fr.free_at(ext.end) >= n:
             fr.take(ext.end, n)
             self.used_bytes += n
@@ -419,7 +462,7 @@ class SsdFilePool(PoolFileFaults):
 
     def open_fds(self) -> int:
         """File descriptors this pool holds open (pool files, retired ones and the lock)."""
-        return len(self._fds) + len(self._retired_fds) + (self._lock_fd >= 0)
+        return len(self._fds) + len(self._retired_fds) + len(self._lock_fds)
 
     def _close_fd(self, file_index: int) -> None:
         """Retire the fd of ``file_index``: closed now if no write is in flight, else when the
@@ -437,7 +480,7 @@ class SsdFilePool(PoolFileFaults):
             pass
 
     def close(self) -> None:
-        """Close every fd and release the writer lock (files stay on disk). Idempotent."""
+        """Close every fd and release the writer locks (files stay on disk). Idempotent."""
         with self._fd_lock:
             for fd in list(self._fds.values()) + self._retired_fds:
                 try:
@@ -446,6 +489,6 @@ class SsdFilePool(PoolFileFaults):
                     pass
             self._fds.clear()
             self._retired_fds.clear()
-            if self._lock_fd >= 0:
-                os.close(self._lock_fd)
-                self._lock_fd = -1
+            for fd in self._lock_fds:
+                os.close(fd)
+            self._lock_fds.clear()

@@ -1,0 +1,258 @@
+"""Several NVMe drives without RAID: ``ssd.path`` as a list (``docs/design.md``, "Several drives").
+
+Files go round-robin over the drives, one scope's rounds land on different drives, a restore
+reads the drives concurrently, capacity and health are per drive, a failed drive takes only the
+pages stored on it, and a warm restart finds the files on every drive — never wrong bytes when
+the drive list changed."""
+
+import errno
+import os
+import shutil
+import threading
+
+import pytest
+from flatcake_testkit import make_store, page_matches, put_pages
+
+from flatcake.config import ConfigError
+from flatcake.media import pool_dir
+
+BASE = {"ssd.file_bytes": 1 << 20, "ssd.max_files": 4}
+
+
+@pytest.fixture
+def drives(tmp_path):
+    """Three drive directories (only their paths: the pool creates them)."""
+    return [str(tmp_path / f"nvme{i}" / "fc") for i in range(3)]
+
+
+def open_store(paths, **kw):
+    return make_store(paths[0], **{**BASE, "ssd.path": list(paths), **kw})
+
+
+def put_session(store, pool, lay, name, rounds, per_round=2, first_page=0):
+    """One session of ``rounds`` backups of ``per_round`` pages, each chained to the last:
+    returns its keys in order."""
+    keys, page = [], first_page
+    for r in range(rounds):
+        ks = [f"{name}{r}.{i}" for i in range(per_round)]
+        assert put_pages(store, pool, lay, ks, range(page, page + per_round), keys or None) == [True] * per_round
+        keys += ks
+        page += per_round
+    return keys
+
+
+def served(store, pool, lay, keys, first_page=40):
+    """Per key: read back alone into a fresh page and bit-exact (False: a miss)."""
+    out = []
+    for i, k in enumerate(keys):
+        p = first_page + i
+        out.append(store.get([k], lay, [p]) == [True] and page_matches(pool, p * pool.page_size, k))
+    return out
+
+
+def drive_dir_of(store, key):
+    return os.path.dirname(store.ssd.path_of(store.page_info(key).file_index))
+
+
+def pool_files(d):
+    return sorted(n for n in os.listdir(d) if n.endswith(".pool")) if os.path.isdir(d) else []
+
+
+def test_pool_files_go_round_robin_over_the_drives_and_the_journal_on_the_first(drives):
+    store, _, _ = open_store(drives, **{"ssd.max_files": 6})
+    pre = store.ssd.prefix
+    assert [store.ssd.path_of(i) for i in range(6)] == [os.path.join(drives[i % 3], f"{pre}-{i:05d}.pool")
+                                                         for i in range(6)]
+    assert [list(store.ssd.drive_files(d)) for d in range(3)] == [[0, 3], [1, 4], [2, 5]]
+    # start-up made every drive's directory and its first file (a bad drive fails at start-up)
+    assert [pool_files(d) for d in drives] == [[f"{pre}-{i:05d}.pool"] for i in range(3)]
+    assert store.ssd.journal_path == os.path.join(drives[0], pre + ".journal")
+    assert [os.path.exists(os.path.join(d, pre + ".journal")) for d in drives] == [True, False, False]
+    assert [os.path.exists(os.path.join(d, pre + ".lock")) for d in drives] == [True, True, True]
+    st = store.snapshot_stats()["media"]["ssd"]
+    assert [(d["drive"], d["path"], d["files"], d["configured_capacity_bytes"]) for d in st["drives"]] == \
+        [(i, drives[i], 2, 2 << 20) for i in range(3)]
+    store.close()
+
+
+def test_a_drive_that_cannot_be_created_fails_start_up_naming_it(drives, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_bytes(b"x")
+    bad = str(blocker / "fc")  # under a regular file: cannot be created
+    with pytest.raises(Exception) as ei:
+        open_store([drives[0], bad])
+    assert repr(bad) in str(ei.value)
+    with pytest.raises(ConfigError, match="ssd.max_files"):
+        open_store(drives, **{"ssd.max_files": 2})
+
+
+def test_one_sessions_rounds_land_on_the_drives_in_turn_and_read_back_bit_exact(drives):
+    store, pool, lay = open_store(drives, **{"ssd.max_files": 6})
+    keys = put_session(store, pool, lay, "s", rounds=6)
+    scope = store.index.get(keys[0]).scope
+    ds = [store.ssd.drive_of(x.file_index) for x in scope.extents]
+    assert len(ds) == 6 and all(ds[i + 1] == (ds[i] + 1) % 3 for i in range(5))  # one extent per round
+    assert [drive_dir_of(store, k) for k in keys[::2]] == [drives[d] for d in ds]
+    assert store.leading_run(keys) == 12
+    assert store.get(keys, lay, range(20, 32)) == [True] * 12
+    assert all(page_matches(pool, (20 + i) * pool.page_size, k) for i, k in enumerate(keys))
+    # a second session starts on the next drive, so new sessions spread over the drives too
+    other = put_session(store, pool, lay, "t", rounds=1, first_page=12)
+    assert store.ssd.drive_of(store.page_info(other[0]).file_index) == (ds[0] + 1) % 3
+    st = store.snapshot_stats()["media"]["ssd"]["drives"]
+    assert sum(d["used_bytes"] for d in st) == store.ssd.used_bytes > 0
+    assert all(d["used_bytes"] > 0 and d["state"] == "healthy" for d in st)
+    store.close()
+
+
+def test_a_restore_reads_the_drives_concurrently(drives, monkeypatch):
+    """The restore engine's reader threads take merged reads of different files at the same
+    time: the first read of each drive waits at a barrier for the other drive's, which only a
+    concurrent read can pass (a serial restore would break the barrier and miss)."""
+    store, pool, lay = open_store(drives[:2], **{"cio.io_workers": 4})
+    keys = put_session(store, pool, lay, "s", rounds=4, per_round=4)
+    barrier = threading.Barrier(2, timeout=20)
+    seen: dict = {}
+    lock = threading.Lock()
+    real = os.preadv
+
+    def preadv(fd, bufs, off, *a):
+        d = os.path.dirname(os.readlink(f"/proc/self/fd/{fd}"))
+        with lock:
+            first = d not in seen
+            seen.setdefault(d, []).append(threading.current_thread().name)
+        if first and d in drives:
+            barrier.wait()
+        return real(fd, bufs, off, *a)
+
+    monkeypatch.setattr(os, "preadv", preadv)
+    assert store.get(keys, lay, range(30, 46)) == [True] * 16
+    monkeypatch.setattr(os, "preadv", real)
+    assert not barrier.broken and sorted(seen) == sorted(drives[:2])
+    assert seen[drives[0]][0] != seen[drives[1]][0]  # two reader threads, one per drive, at once
+    assert all(page_matches(pool, (30 + i) * pool.page_size, k) for i, k in enumerate(keys))
+    assert store.snapshot_stats()["merged_reads"] >= 2
+    store.close()
+
+
+def refuse_writes_under(monkeypatch, directory):
+    """EIO for every write into a file under ``directory`` (a failing drive)."""
+    real_pwritev, real_pwrite = os.pwritev, os.pwrite
+
+    def refuse(real):
+        def call(fd, *a):
+            if os.readlink(f"/proc/self/fd/{fd}").startswith(directory + os.sep):
+                raise OSError(errno.EIO, "Input/output error")
+            return real(fd, *a)
+        return call
+
+    monkeypatch.setattr(os, "pwritev", refuse(real_pwritev))
+    monkeypatch.setattr(os, "pwrite", refuse(real_pwrite))
+    return lambda: (monkeypatch.setattr(os, "pwritev", real_pwritev), monkeypatch.setattr(os, "pwrite", real_pwrite))
+
+
+def test_a_drive_that_refuses_writes_takes_only_its_pages_and_the_other_keeps_serving(drives, monkeypatch):
+    store, pool, lay = open_store(drives[:2])
+    keys = put_session(store, pool, lay, "s", rounds=4)
+    good, bad, bad_d = drives[0], drives[1], 1  # not the first drive: it holds the journal
+    assert [drive_dir_of(store, k) for k in keys[::2]] == [good, bad, good, bad]
+    restore = refuse_writes_under(monkeypatch, bad)
+    results = [put_pages(store, pool, lay, [f"u{i}"], [10 + i]) for i in range(2)]  # new scopes: one per drive
+    assert sorted(results) == [[False], [True]]  # the one placed on the bad drive failed, nothing raised
+    st = store.snapshot_stats()["media"]["ssd"]
+    assert st["state"] == "degraded" and st["files_out_of_service"] == list(store.ssd.drive_files(bad_d))
+    assert [d["state"] for d in st["drives"]] == ["disabled" if i == bad_d else "healthy" for i in range(2)]
+    assert st["drives"][bad_d]["capacity_bytes"] == 0 and st["capacity_bytes"] == 2 << 20
+    lost = [k for k in keys if store.page_info(k) is None]
+    assert lost == keys[2:4] + keys[6:8]  # rounds 1 and 3 were on the bad drive
+    assert store.leading_run(keys) == 2  # the prefix up to the first lost page
+    kept = keys[0:2] + keys[4:6]
+    assert served(store, pool, lay, kept) == [True] * 4 and all(drive_dir_of(store, k) == good for k in kept)
+    more = put_session(store, pool, lay, "w", rounds=3, first_page=20)  # writes go on, on the good drive
+    assert {drive_dir_of(store, k) for k in more} == {good} and served(store, pool, lay, more) == [True] * 6
+    # the lost pages are written again by the next backup of the session: the whole prefix hits
+    assert put_pages(store, pool, lay, keys, range(0, 8)) == [True] * 8
+    assert store.leading_run(keys) == 8 and served(store, pool, lay, keys) == [True] * 8
+    restore()
+    store.close()
+
+
+def test_a_drive_whose_directory_is_gone_goes_out_of_service_and_is_not_recreated(drives):
+    store, pool, lay = open_store(drives[:2])
+    keys = put_session(store, pool, lay, "s", rounds=2)
+    d0, d1 = (drive_dir_of(store, k) for k in (keys[0], keys[2]))
+    assert (d0, d1) == (drives[0], drives[1])
+    shutil.rmtree(d1)
+    outcomes = [put_pages(store, pool, lay, [f"u{i}"], [10 + i]) for i in range(3)]
+    assert outcomes == [[False], [True], [True]]  # the put placed on d1 found it gone; then d0 only
+    assert not os.path.exists(d1)  # never recreated (its mount point may be on another filesystem)
+    st = store.snapshot_stats()["media"]["ssd"]
+    assert [d["state"] for d in st["drives"]] == ["healthy", "disabled"]
+    assert store.page_info(keys[2]) is None and served(store, pool, lay, keys[:2]) == [True, True]
+    assert {drive_dir_of(store, k) for k in ("u1", "u2")} == {d0}
+    store.close()
+
+
+def test_warm_restart_finds_the_rounds_on_every_drive(drives):
+    store, pool, lay = open_store(drives[:2])
+    a = put_session(store, pool, lay, "a", rounds=3)
+    b = put_session(store, pool, lay, "b", rounds=2, first_page=10)
+    assert {drive_dir_of(store, k) for k in a} == set(drives[:2])
+    store.close()
+    store, pool, lay = open_store(drives[:2])
+    assert store.snapshot_stats()["pages_rebuilt"] == 10
+    assert store.leading_run(a) == 6 and store.leading_run(b) == 4
+    assert served(store, pool, lay, a + b) == [True] * 10
+    more = put_session(store, pool, lay, "a3", rounds=1, first_page=20)  # and it writes on
+    assert served(store, pool, lay, more) == [True, True]
+    store.close()
+
+
+def test_a_removed_drive_loses_only_its_pages_at_restart(drives):
+    store, pool, lay = open_store(drives[:2])
+    keys = put_session(store, pool, lay, "s", rounds=4)
+    first = [drive_dir_of(store, k) == drives[0] for k in keys]
+    store.close()
+    store, pool, lay = open_store(drives[:1])  # drive 1 left out: its files are not found
+    got = served(store, pool, lay, keys)
+    assert got == first and any(got) and not all(got)  # exactly the pages of drive 0, bit-exact
+    store.close()
+
+
+def test_an_added_drive_keeps_the_files_that_stay_where_they_were(drives):
+    store, pool, lay = open_store(drives[:2])
+    keys = put_session(store, pool, lay, "s", rounds=4)
+    files = {store.page_info(k).file_index for k in keys}
+    assert files == {0, 1}  # files 0 and 1 stay on drives 0 and 1 with a third drive
+    store.close()
+    store, pool, lay = open_store(drives, **{"ssd.max_files": 6})
+    assert served(store, pool, lay, keys) == [True] * 8
+    store.close()
+
+
+def test_a_reordered_drive_list_never_serves_wrong_bytes(drives):
+    store, pool, lay = open_store(drives[:2])
+    keys = put_session(store, pool, lay, "s", rounds=4)
+    pre = store.ssd.prefix
+    store.close()
+    store, pool, lay = open_store([drives[1], drives[0]])  # every file would be on the other drive
+    assert served(store, pool, lay, keys) == [False] * 8 and store.snapshot_stats()["pages_rebuilt"] == 0
+    # the misplaced files were removed (each drive holds only its own, new, files) and the old
+    # journal off the new first drive too
+    assert pool_files(drives[1]) == [f"{pre}-00000.pool"] and pool_files(drives[0]) == [f"{pre}-00001.pool"]
+    assert not os.path.exists(os.path.join(drives[0], pre + ".journal"))
+    again = put_session(store, pool, lay, "s", rounds=2, first_page=10)
+    assert served(store, pool, lay, again) == [True] * 4
+    store.close()
+
+
+def test_stale_pools_are_counted_per_drive(drives):
+    """The capacity rule holds on each drive against that drive's share (its files)."""
+    store, pool, lay = open_store(drives[:2], **{"ssd.max_files": 2})
+    put_session(store, pool, lay, "s", rounds=2)
+    store.close()
+    other, _, _ = open_store([drives[1], drives[0]], mla=True, **{"ssd.max_files": 2})  # another namespace:
+    assert other.ssd.prefix != store.ssd.prefix  # the first pool is stale on both drives
+    assert sorted(other.ssd.removed_stale_pools) == [store.ssd.prefix] * 2
+    assert pool_dir.scan(drives[0]).keys() == pool_dir.scan(drives[1]).keys() == {other.ssd.prefix}
+    other.close()
