@@ -402,7 +402,8 @@ class PageStore:
         used, DRAM slots used, I/O errors (total and ``errors`` by ``op/reason``), checksum
         failures, pages rebuilt at start-up, the I/O engine, and ``media``: per medium its
         ``state`` (``healthy`` / ``degraded`` / ``disabled``), ``used_bytes`` and
-        ``capacity_bytes`` (SSD: also files out of service and stale pools removed)."""
+        ``capacity_bytes`` (SSD: also files out of service, stale pools removed and ``drives``:
+        the same per ``ssd.path`` drive, :meth:`~flatcake.media.ssd.SsdFilePool.drive_states`)."""
         d = self.stats.snapshot()
         d.update(
             pages_indexed=len(self.index),
@@ -422,7 +423,7 @@ class PageStore:
     def describe(self) -> str:
         """One line for the start-up log: role, page bytes, DRAM slots, SSD path, I/O mode, engine."""
         return (f"{self.role}, page {self.geometry.page_bytes} bytes, DRAM {self.dram.n_slots} slots, "
-                f"SSD {self.cfg.ssd.path} ({self.ssd.capacity_bytes} bytes, "
+                f"SSD {', '.join(self.cfg.ssd.paths)} ({self.ssd.capacity_bytes} bytes, "
                 f"{'direct' if self.ssd.direct_io else 'buffered'} I/O, "
                 f"{getattr(self.cio, 'engine_name', '?')} engine), rounds of <= {self.max_round_pages} pages")
 

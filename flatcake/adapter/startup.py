@@ -75,7 +75,8 @@ def startup_line(stats: Mapping, *, ssd_path: str, pool_prefix: str, file_bytes:
     Args:
         stats: :meth:`flatcake.store.PageStore.snapshot_stats` (``media`` capacities in bytes,
             ``cio_engine``).
-        ssd_path: the resolved ``ssd.path`` directory.
+        ssd_path: the resolved ``ssd.path`` directory (the first drive's; with several drives
+            the line lists every drive from ``stats["media"]["ssd"]["drives"]``).
         pool_prefix: the pool's file prefix in it (``fc-<16 hex>``: a digest of namespace and
             pool identity).
         pool_identity: the identity in words (:meth:`flatcake.adapter.identity.PoolIdentity.describe`:
@@ -93,10 +94,14 @@ def startup_line(stats: Mapping, *, ssd_path: str, pool_prefix: str, file_bytes:
     media = stats.get("media", {})
     dram = media.get("dram", {}).get("capacity_bytes", 0)
     ssd = media.get("ssd", {}).get("capacity_bytes", 0)
+    drives = media.get("ssd", {}).get("drives") or []
+    where = ssd_path if len(drives) < 2 else (  # several drives: each with its files, journal on the first
+        f"{len(drives)} drives " + ", ".join(f"{d['path']} ({d['files']} files, {d['state']})" for d in drives)
+        + f", journal on {drives[0]['path']}")
     return (f"flatcake: per-rank capacity ({ranks}, {role}): DRAM {_size(dram)}, "
             f"{'pinned' if pinned else 'not pinned'}; SSD {_size(ssd)} = {max_files} x {file_bytes}-byte files, "
             f"{'direct' if direct_io else 'buffered'} I/O; I/O engine {stats.get('cio_engine', '?')}; "
-            f"pool {pool_prefix} in {ssd_path}{f' ({pool_identity})' if pool_identity else ''}; page {page_bytes} bytes")
+            f"pool {pool_prefix} in {where}{f' ({pool_identity})' if pool_identity else ''}; page {page_bytes} bytes")
 
 
 def default_path_warning(ssd_path: str, environ: Optional[Mapping[str, str]] = None) -> Optional[str]:

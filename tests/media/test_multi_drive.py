@@ -256,3 +256,32 @@ def test_stale_pools_are_counted_per_drive(drives):
     assert sorted(other.ssd.removed_stale_pools) == [store.ssd.prefix] * 2
     assert pool_dir.scan(drives[0]).keys() == pool_dir.scan(drives[1]).keys() == {other.ssd.prefix}
     other.close()
+
+
+def test_start_up_line_and_metrics_report_each_drive(drives, make_backend, caplog):
+    import logging
+
+    import prometheus_client as prom
+
+    from flatcake.metrics import FlatCakeMetrics
+
+    caplog.set_level(logging.INFO, logger="flatcake")
+    be, pool = make_backend(extra={"ssd.path": drives[:2], "ssd.file_bytes": 8 << 20, "ssd.max_files": 4})
+    line = next(r.getMessage() for r in caplog.records if "per-rank capacity" in r.getMessage())
+    assert (f"pool {be.store.ssd.prefix} in 2 drives {drives[0]} (2 files, healthy), {drives[1]} (2 files, healthy), "
+            f"journal on {drives[0]}") in line
+    assert "SSD 33554432 bytes (32.0 MiB) = 4 x 8388608-byte files" in line
+    reg = prom.CollectorRegistry()
+    m = FlatCakeMetrics({"pool": "p"}, reg)
+    with be.store.scopes.lock:
+        be.store.scopes.take_file_out_of_service_locked(1)  # drive 1 fails
+    m.update(be.store.snapshot_stats())
+
+    def sample(name, d, **kw):
+        return reg.get_sample_value("flatcake_" + name, {"pool": "p", "tp_rank": "", "pp_rank": "", "dp_rank": "",
+                                                         "drive": str(d), "path": drives[d], **kw})
+
+    assert [sample("ssd_drive_capacity_bytes", d) for d in range(2)] == [16 << 20, 0]
+    assert [sample("ssd_drive_state", d, state="healthy") for d in range(2)] == [1, 0]
+    assert [sample("ssd_drive_state", d, state="disabled") for d in range(2)] == [0, 1]
+    assert sample("ssd_drive_used_bytes", 0) == 0
