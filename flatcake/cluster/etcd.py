@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import base64
 import json
+import socket
 from typing import Any, Iterator, Optional, Sequence
 from urllib.parse import urlsplit
 
@@ -119,6 +120,7 @@ class EtcdSession:
             self._clients.append(etcd3gw.client(host=host, port=port, protocol=scheme, timeout=timeout_s,
                                                 api_path="/v3/"))
         self._cur = 0
+        self._watch_resp = None
 
     def call(self, path: str, payload: dict) -> dict:
         """POST ``payload`` to the gateway's ``path`` (``kv/range``, ``kv/txn``, ``lease/grant``...).
@@ -232,6 +234,7 @@ class EtcdSession:
         except requests.RequestException as e:
             self._cur = (self._cur + 1) % len(self._clients)
             raise EtcdUnavailable(f"watch: {e}") from None
+        self._watch_resp = resp
         try:
             yield from self._watch_lines(resp)
         except (requests.RequestException, ValueError) as e:
@@ -239,8 +242,22 @@ class EtcdSession:
                 raise WatchIdle(f"watch silent for {idle_s} s") from None
             raise EtcdUnavailable(f"watch stream ended: {e}") from None
         finally:
+            self._watch_resp = None
             resp.close()
         raise EtcdUnavailable("watch stream closed by the server")
+
+    def abort_watch(self) -> None:
+        """End the current :meth:`watch_prefix` stream from another thread (its reader gets
+        EtcdUnavailable at once instead of waiting up to ``idle_s``)."""
+        resp = self._watch_resp
+        if resp is None:
+            return
+        try:
+            sock = socket.fromfd(resp.raw.fileno(), socket.AF_INET, socket.SOCK_STREAM)
+            sock.shutdown(socket.SHUT_RDWR)  # the socket, not this duplicate descriptor
+            sock.close()
+        except (OSError, ValueError, AttributeError):
+            pass
 
     @staticmethod
     def _watch_lines(resp) -> Iterator[list[dict]]:

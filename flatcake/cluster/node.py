@@ -57,6 +57,7 @@ class ClusterNode:
         self._lease = 0
         self.lease_renewals = 0
         self.leases_lost = 0
+        self.evicted = False  # our node_id was taken while our lease was lost: no longer publishing
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self.index = ClusterIndex(cluster.etcd, cluster.prefix, node_id, self.lease_id, cluster.timeout_s,
@@ -137,7 +138,16 @@ class ClusterNode:
         self.leases_lost += 1
         log.warning("cluster node %d: lease %x expired; registering again and republishing", self.node_id, self._lease)
         self._lease = self.session.grant_lease(self.cfg.lease_ttl_s)
-        self._register(0.0)
+        try:
+            self._register(0.0)
+        except ConfigError as e:  # another node took our id while we were away: stop publishing
+            self.evicted = True
+            log.error("cluster node %d: %s; this node stops publishing to the cluster", self.node_id, e)
+            self.index.publisher.close()
+            self.coordinator.close()
+            self._revoke_quietly()
+            self._stop.set()
+            return
         self.index.publisher.republish_all()
         self.coordinator.publish()
 
@@ -159,6 +169,7 @@ class ClusterNode:
             self._revoke_quietly()
 
     def stats(self) -> dict:
-        """:meth:`ClusterIndex.stats` plus ``lease_renewals``, ``leases_lost``, ``cas_retries``."""
+        """:meth:`ClusterIndex.stats` plus ``lease_renewals``, ``leases_lost``, ``evicted``,
+        ``cas_retries``."""
         return {**self.index.stats(), "lease_renewals": self.lease_renewals, "leases_lost": self.leases_lost,
-                "cas_retries": self.coordinator.cas_retries}
+                "evicted": self.evicted, "cas_retries": self.coordinator.cas_retries}

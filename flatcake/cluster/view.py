@@ -96,8 +96,9 @@ class ClusterView:
         return self._ready.wait(timeout_s)
 
     def close(self) -> None:
-        """Stop the watcher (within ``idle_s`` at worst; the thread is a daemon)."""
+        """Stop the watcher: its stream is cut, so it ends at once."""
         self._stop.set()
+        self.session.abort_watch()
         if self._thread is not None:
             self._thread.join(timeout=self.idle_s + 1)
 
@@ -122,6 +123,8 @@ class ClusterView:
                 self._log_once("compacted", f"cluster view: {e}; reading the whole index again")
                 need_bootstrap = True
             except EtcdUnavailable as e:
+                if self._stop.is_set():  # close() cut the stream
+                    return
                 self._log_once("unavailable", f"cluster view: etcd unreachable ({e}); serving the last view and retrying")
             except Exception as e:  # never let the watcher die: log once, retry
                 self._log_once(type(e).__name__, f"cluster view: {type(e).__name__}: {e}")

@@ -182,3 +182,22 @@ def test_a_second_node_with_the_same_node_id_is_refused_naming_node_id(local_clu
     assert out["error"].startswith("ConfigError: node_id: 4 is already registered")
     assert "cluster.node_id" in out["error"] and c.node_address(0) in out["error"]  # the holder's advertise
     assert _start(c, dup, 5)["ok"]  # the refused agent's lease was revoked; another id joins
+
+
+def test_a_node_cut_off_past_its_lease_registers_again_and_republishes_its_rounds(local_cluster, agents):
+    c = local_cluster(2)
+    a, b = agents(c, [0, 1])
+    _start(c, a, 1)
+    _start(c, b, 2)
+    live, gone = _publish(a, _round(1, 1, 0)), _publish(a, _round(1, 2, 0))
+    a.must("retire", scope=2)
+    keys = live["keys"]
+    assert b.must("wait", keys=keys, timeout_s=WAIT_S)["done"]
+    c.set_link(0, up=False)  # A cannot renew: etcd expires its 2 s lease and deletes its rounds
+    assert b.must("wait", keys=keys, present=False, timeout_s=WAIT_S)["done"]
+    c.set_link(0, up=True)
+    assert b.must("wait", keys=keys, timeout_s=WAIT_S)["done"]  # A re-leased and republished
+    _assert_view_has(b, [live], node=1)
+    assert b.must("lookup", keys=gone["keys"][:1])["pages"] == [None]  # a retired scope stays retired
+    st = a.must("stats")["stats"]
+    assert st["leases_lost"] == 1 and st["evicted"] is False

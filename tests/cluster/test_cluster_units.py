@@ -95,6 +95,9 @@ class ScriptedSession:
         self.watch_starts: list[int] = []
         self.done = threading.Event()
 
+    def abort_watch(self):
+        pass
+
     def range_prefix(self, prefix, page_keys=1000):
         rev, recs = self.ranges.pop(0)
         return rev, [(k, v, {}) for k, v in recs]
