@@ -20,6 +20,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from flatcake.cio.pagecopy import scatter_pages
 from flatcake.cio.plan import ChunkBatch
 from flatcake.errorlog import ErrorLog
 from flatcake.gva.address import MEDIUM_DRAM, MEDIUM_SSD, OFFSET_MASK, medium_of
@@ -118,7 +119,7 @@ class ReadPath:
         if rows.device != layout.device:
             rows = rows.to(layout.device, non_blocking=True)
         for layer in range(g.layers):
-            layout.scatter_chunks(rows[:, layer], dst, layer)
+            scatter_pages(layout, rows[:, layer], dst, layer)
 
     def chunk_batch(self, entries: Sequence[PageEntry], ssd_pos: Sequence[int], page_ids) -> ChunkBatch:
         """The restore's :class:`ChunkBatch` for SSD pages ``entries[ssd_pos]``, built with numpy,

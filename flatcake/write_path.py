@@ -27,9 +27,9 @@ import threading
 
 import numpy as np
 import torch
-import xxhash
 
 from flatcake.align import align_up
+from flatcake.cio.pagecopy import chunk_checksums, gather_pages
 from flatcake.config import STORAGE_BATCH_PAGES
 from flatcake.gva.address import MEDIUM_DRAM, MEDIUM_SSD, encode_gva
 from flatcake.gva.index import PageEntry
@@ -120,10 +120,10 @@ class WritePath:
         """Gather the pages (``[n, layers, chunk_bytes]``) and copy them into their slots."""
         g = self.geometry
         n = len(plc.keys)
-        src = torch.tensor(plc.src_pages, dtype=torch.long)
+        src = np.asarray(plc.src_pages, dtype=np.int64)
         tmp = torch.empty((n, g.layers, g.chunk_bytes), dtype=torch.uint8, device=layout.device)
         for layer in range(g.layers):
-            layout.gather_chunks(src, layer, tmp[:, layer])
+            gather_pages(layout, src, layer, tmp[:, layer])
         self.dram.slots[torch.tensor(plc.slots, dtype=torch.long)] = tmp.view(n, -1).to("cpu")
         self.dram.set_identity(plc.slots, plc.keys)
         self.stats.add(dram_write_bytes=n * g.page_bytes, pages_written_dram=n)
@@ -146,30 +146,26 @@ class WritePath:
         self.stats.add(ssd_write_bytes=fmt.BLOCK, ssd_write_ops=1)
 
     def _gather_layer_major(self, plc: Placement, layout: KvPageLayout, arr: np.ndarray) -> None:
-        """Copy the round's chunks into ``arr`` (uint8 ``[layers * n * chunk_bytes]``), layer-major."""
+        """Copy the round's chunks into ``arr`` (uint8 ``[layers * n * chunk_bytes]``), layer-major:
+        one vectorized copy per (layer, plane) (:func:`~flatcake.cio.pagecopy.gather_pages`)."""
         g = self.geometry
         n = len(plc.keys)
         data = torch.from_numpy(arr).view(g.layers, n, g.chunk_bytes)
-        src = torch.tensor(plc.src_pages, dtype=torch.long)
+        src = np.asarray(plc.src_pages, dtype=np.int64)
         for layer in range(g.layers):
             if layout.device.type == "cpu":
-                layout.gather_chunks(src, layer, data[layer])
+                gather_pages(layout, src, layer, data[layer])
             else:
                 tmp = torch.empty((n, g.chunk_bytes), dtype=torch.uint8, device=layout.device)
-                layout.gather_chunks(src, layer, tmp)
+                gather_pages(layout, src, layer, tmp)
                 data[layer].copy_(tmp)
 
     def _checksums(self, view: memoryview, base: int, n: int) -> np.ndarray:
         """uint64 ``[layers, n]`` xxh3-64 of every chunk of the layer-major data at ``view[base:]``."""
         g = self.geometry
         cb = g.chunk_bytes
-        sums = np.empty((g.layers, n), dtype=np.uint64)
-        h = xxhash.xxh3_64_intdigest
-        for layer in range(g.layers):
-            for p in range(n):
-                o = base + (layer * n + p) * cb
-                sums[layer, p] = h(view[o: o + cb])
-        return sums
+        data = np.frombuffer(view, dtype=np.uint8, count=g.layers * n * cb, offset=base)
+        return chunk_checksums(data, cb).reshape(g.layers, n)
 
     def _write_ssd(self, plc: Placement, layout: KvPageLayout) -> list[PageEntry]:
         """Write the round: header | layer-major data in one aligned pwrite, then its record."""

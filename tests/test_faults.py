@@ -31,16 +31,18 @@ def open_fds() -> int:
 # ---------------------------------------------------------------- 1. DRAM slots: one owner, identity checked
 def test_a_dram_write_that_fails_part_way_leaves_no_slot_with_two_owners(ssd_dir, monkeypatch):
     store, pool, lay = make_store(ssd_dir, **DRAM)
-    real = lay.gather_chunks
+    import flatcake.write_path as write_path_mod
+
+    real = write_path_mod.gather_pages
     calls = {"n": 0}
 
-    def flaky_gather(page_ids, layer, out):
+    def flaky_gather(layout, page_ids, layer, out):
         calls["n"] += 1
         if calls["n"] == 2:  # the first DRAM round dies in its second layer
             raise RuntimeError("gather failed")
-        return real(page_ids, layer, out)
+        return real(layout, page_ids, layer, out)
 
-    monkeypatch.setattr(lay, "gather_chunks", flaky_gather)
+    monkeypatch.setattr(write_path_mod, "gather_pages", flaky_gather)
     a = [f"a{i}" for i in range(4)]
     two_requests_share(store.leading_run, a)
     assert put_pages(store, pool, lay, a, range(4)) == [False] * 4

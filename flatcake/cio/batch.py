@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 import numpy as np
-import xxhash
 
 from flatcake.cio.engines import IoPiece, split_pieces
+from flatcake.cio.pagecopy import checksums_at
 from flatcake.cio.plan import ChunkBatch, MergedRead
 from flatcake.errorlog import ErrorLog
 
@@ -145,10 +145,8 @@ def verify_chunks(host, b0: np.ndarray, idx: np.ndarray, chunks: ChunkBatch, chu
     sel = np.flatnonzero(has) if not has.all() else None
     if sel is not None and sel.shape[0] == 0:
         return ok
-    h = xxhash.xxh3_64_intdigest
-    mv = memoryview(host)
     starts = (b0 if sel is None else b0[sel]).tolist()
-    got = np.fromiter((h(mv[s: s + chunk_bytes]) for s in starts), dtype=np.uint64, count=len(starts))
+    got = checksums_at(host, starts, chunk_bytes)
     want = chunks.checksum[idx if sel is None else idx[sel]]
     bad = np.flatnonzero(got != want)
     if bad.shape[0]:

@@ -1,0 +1,145 @@
+"""Vectorized page copies and chunk checksums for the write and DRAM paths (paper §3.3).
+
+The write path gathers a round's pages layer by layer into a layer-major buffer, and the DRAM
+read path scatters slot rows back into the host pool. Both used to copy page by page (one
+``Tensor.copy_`` per (page, plane, layer): 4,096 Python-level calls for a round of 128 pages
+of 16 layers), which at 1-token pages cost more CPU than the I/O and held the GIL for most of
+it. Here every copy is **one numpy operation per (layer, plane)**: token rows move as opaque
+``row_bytes``-byte items (numpy ``void`` dtype, one ``memcpy`` per row whatever the alignment,
+as :func:`flatcake.kernels.scatter._numpy_copy` does for restores), and numpy releases the GIL
+for the whole copy. CUDA layouts use one ``index_select`` / ``index_copy_`` per (layer, plane).
+
+Checksums stay one xxh3-64 per (page, layer) chunk: that is the on-disk format
+(``docs/durability.md``) and what lets a restore verify any subset of a round's pages without
+reading the rest. :func:`chunk_checksums` computes them in one list comprehension over a
+memoryview (xxhash releases the GIL inside each hash).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+import torch
+import xxhash
+
+
+def _ids(page_ids, num_pages: int) -> np.ndarray:
+    """int64 numpy ``[n]`` page ids from a tensor, array or sequence; IndexError for an id
+    outside ``[0, num_pages)`` (numpy would wrap a negative one)."""
+    if isinstance(page_ids, torch.Tensor):
+        ids = page_ids.detach().to("cpu", torch.int64).numpy().reshape(-1)
+    else:
+        ids = np.asarray(page_ids, dtype=np.int64).reshape(-1)
+    if ids.shape[0] and (int(ids.min()) < 0 or int(ids.max()) >= num_pages):
+        bad = int(ids[np.argmax((ids < 0) | (ids >= num_pages))])
+        raise IndexError(f"page {bad} outside the layout ({num_pages} pages)")
+    return ids
+
+
+def _rows(a: np.ndarray, n: int, page_size: int, rb: int) -> np.ndarray:
+    """``a`` (uint8, ``[n, page_size * rb]`` or ``[n, page_size, rb]`` with unit stride along
+    each token row) as a ``[n, page_size]`` array of ``rb``-byte ``void`` items (a view)."""
+    s0 = a.strides[0]
+    s1 = a.strides[1] if a.ndim == 3 else rb
+    v = np.lib.stride_tricks.as_strided(a, (n, page_size, rb), (s0, s1, 1))
+    return v.view(np.dtype((np.void, rb)))[..., 0]
+
+
+def _consecutive(ids: np.ndarray) -> bool:
+    """True when ``ids`` are ``p0, p0+1, ...`` (a slice copy instead of fancy indexing)."""
+    n = ids.shape[0]
+    return n > 0 and int(ids[-1]) - int(ids[0]) == n - 1 and bool((np.diff(ids) == 1).all())
+
+
+def gather_pages(layout, page_ids, layer: int, out: torch.Tensor) -> None:
+    """Copy the ``layer`` chunks of pages ``page_ids`` of ``layout`` into ``out``.
+
+    Args:
+        layout: a :class:`~flatcake.layout.KvPageLayout` (host pool, flat pages or device KV).
+        page_ids: int64 ``[n]`` page indices in ``layout`` (tensor, array or list).
+        layer: layer index.
+        out: uint8 ``[n, chunk_bytes]`` on ``layout.device``, each row contiguous (rows may be
+            strided, e.g. ``tmp[:, layer]`` of a ``[n, layers, chunk_bytes]`` buffer).
+
+    One numpy copy per plane on CPU (GIL released), one ``index_select`` per plane on CUDA.
+    Bit-exact with :meth:`KvPageLayout.gather_chunks`.
+
+    Raises:
+        IndexError: a page id outside the layout (a caller bug).
+    """
+    g = layout.geometry
+    ids = _ids(page_ids, layout.num_pages)
+    n = ids.shape[0]
+    if n == 0:
+        return
+    P = g.page_size
+    on_cpu = out.device.type == "cpu"
+    on = out.numpy() if on_cpu else None
+    for t, off, rb in zip(layout.layer_planes(layer), g.plane_offsets(), g.plane_row_bytes):
+        if not on_cpu:
+            idx = torch.from_numpy(ids).to(t.device)
+            out[:, off: off + P * rb].view(n, P, rb).copy_(t.index_select(0, idx))
+            continue
+        src = _rows(t.numpy(), t.shape[0], P, rb)
+        dst = _rows(on[:, off: off + P * rb], n, P, rb)
+        if _consecutive(ids):
+            dst[...] = src[int(ids[0]): int(ids[0]) + n]
+        else:
+            dst[...] = src[ids]
+
+
+def scatter_pages(layout, src: torch.Tensor, page_ids, layer: int) -> None:
+    """Inverse of :func:`gather_pages`: chunk rows ``src`` (uint8 ``[n, chunk_bytes]``, each row
+    contiguous, on ``layout.device``) into the ``layer`` slots of pages ``page_ids``.
+
+    Raises:
+        IndexError: a page id outside the layout (a caller bug).
+    """
+    g = layout.geometry
+    ids = _ids(page_ids, layout.num_pages)
+    n = ids.shape[0]
+    if n == 0:
+        return
+    P = g.page_size
+    on_cpu = src.device.type == "cpu"
+    sn = src.numpy() if on_cpu else None
+    for t, off, rb in zip(layout.layer_planes(layer), g.plane_offsets(), g.plane_row_bytes):
+        if not on_cpu:
+            rows = src[:, off: off + P * rb].reshape(n, P, rb)
+            t.index_copy_(0, torch.from_numpy(ids).to(t.device), rows)
+            continue
+        dst = _rows(t.numpy(), t.shape[0], P, rb)
+        s = _rows(sn[:, off: off + P * rb], n, P, rb)
+        if _consecutive(ids):
+            dst[int(ids[0]): int(ids[0]) + n] = s
+        else:
+            dst[ids] = s
+
+
+def chunk_checksums(data: np.ndarray, chunk_bytes: int) -> np.ndarray:
+    """xxh3-64 (``xxhash.xxh3_64_intdigest``, seed 0) of every ``chunk_bytes`` chunk of ``data``.
+
+    Args:
+        data: contiguous uint8 ``[m * chunk_bytes]`` (e.g. a round's layer-major data).
+        chunk_bytes: bytes per chunk (> 0).
+
+    Returns:
+        uint64 ``[m]``, chunk ``i`` = ``data[i*chunk_bytes:(i+1)*chunk_bytes]``.
+    """
+    mv = memoryview(data)
+    h = xxhash.xxh3_64_intdigest
+    m = data.shape[0] // chunk_bytes
+    return np.fromiter((h(mv[o: o + chunk_bytes]) for o in range(0, m * chunk_bytes, chunk_bytes)),
+                       dtype=np.uint64, count=m)
+
+
+def checksums_at(host: np.ndarray, starts: Sequence[int], chunk_bytes: int) -> np.ndarray:
+    """uint64 ``[len(starts)]`` xxh3-64 of the ``chunk_bytes`` bytes at each offset of ``host``
+    (uint8, contiguous; offsets in bytes)."""
+    mv = memoryview(host)
+    h = xxhash.xxh3_64_intdigest
+    return np.fromiter((h(mv[s: s + chunk_bytes]) for s in starts), dtype=np.uint64, count=len(starts))
+
+
+__all__ = ["checksums_at", "chunk_checksums", "gather_pages", "scatter_pages"]
