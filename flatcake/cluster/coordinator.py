@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from flatcake.cluster.etcd import EtcdSession, EtcdUnavailable, b64, kvs_of, op_put, op_range
+from flatcake.cluster.etcd import EtcdSession, b64, kvs_of, op_put, op_range
 from flatcake.cluster.records import capacity_key, guard_key, reservations_prefix
 
 log = logging.getLogger(__name__)
@@ -195,5 +195,3 @@ class CapacityCoordinator:
         with self._lock:
             self.session.call("kv/deleterange", {"key": b64(reservation.key)})
 
-
-__all__ = ["Capacity", "CapacityCoordinator", "EtcdUnavailable", "Reservation"]
