@@ -224,9 +224,15 @@ class HybridPoolsMixin:
         """Logical anchor: pages one pool freed (queued by its retire listener, under its lock)
         are dropped from the other pools here, outside every store lock (no lock order)."""
         q = self._v2_retired
-        while q:
-            src, keys = q.pop(0)
-            self._retire_extra_pages(keys, skip=src)
+        try:
+            while q:
+                try:
+                    src, keys = q.pop(0)
+                except IndexError:  # another thread took the last one
+                    break
+                self._retire_extra_pages(keys, skip=src)
+        except Exception as e:  # dropping is best-effort: a miss later at worst
+            self.errors("retire extra pages", e)
 
     def extra_pool(self, name) -> Optional[ExtraPool]:
         """The registered extra pool ``name`` (``PoolName`` or str), or ``None``."""
@@ -316,18 +322,26 @@ class HybridPoolsMixin:
         """Read each transfer's pages (``keys[i]`` into host page ``host_indices[i*page_size]``
         of its pool). Returns ``{transfer.name: [bool] * len(keys)}``, only a leading run True.
         Never raises."""
-        self._v2_state()
-        self._drain_retired()
-        return {t.name: self._transfer(t, extra_info, write=False) for t in transfers or []}
+        try:
+            self._v2_state()
+            self._drain_retired()
+            return {t.name: self._transfer(t, extra_info, write=False) for t in transfers or []}
+        except Exception as e:  # an unusable transfer list: nothing moved
+            self.errors("batch_get_v2", e)
+            return {}
 
     def batch_set_v2(self, transfers: List[PoolTransfer],
                      extra_info: Optional[HiCacheStorageExtraInfo] = None) -> dict:
         """Store each transfer's pages (``extra_info.prefix_keys + keys`` is the session's key
         chain, as for KV). Returns ``{transfer.name: [bool] * len(keys)}``. A pool this rank
         does not write (replicated under MLA, not the writer rank) reports success. Never raises."""
-        self._v2_state()
-        self._drain_retired()
-        return {t.name: self._transfer(t, extra_info, write=True) for t in transfers or []}
+        try:
+            self._v2_state()
+            self._drain_retired()
+            return {t.name: self._transfer(t, extra_info, write=True) for t in transfers or []}
+        except Exception as e:  # an unusable transfer list: nothing moved
+            self.errors("batch_set_v2", e)
+            return {}
 
     def _transfer(self, t: PoolTransfer, extra_info, write: bool) -> list:
         keys = list(t.keys or [])

@@ -183,6 +183,7 @@ def test_never_raises_into_sglang_threads(make_backend):
     be, _ = attach(make_backend, {PoolName.INDEXER: idx})
     r = be.batch_exists_v2(None, [PoolTransfer(name=PoolName.INDEXER, keys=["x"])])
     assert (r.kv_hit_pages, r.extra_pool_hit_pages) == (0, {})
+    assert be.batch_get_v2([None]) == {} and be.batch_set_v2([None]) == {}  # unusable transfers: nothing moved
     be.close()
     assert be.batch_get_v2([transfer(PoolName.INDEXER, idx, ["x"], [0])]) == {PoolName.INDEXER: [False]}
     assert be.batch_set_v2([transfer(PoolName.INDEXER, idx, ["x"], [0])]) == {PoolName.INDEXER: [False]}
