@@ -16,17 +16,19 @@ offset_in_file`` (:mod:`flatcake.gva.address`). Drives only decide *where a file
   gone, is out of service as a whole (its pages become misses; the other drives keep serving
   and taking writes), and it comes back file by file once it takes writes again.
 
-:class:`Drive` is one drive's bookkeeping; :func:`check_drive_count`, :func:`misplaced` and
+:class:`Drive` is one drive's bookkeeping; :func:`drives_used`, :func:`misplaced` and
 :func:`drive_state` are the rules above, shared by :class:`flatcake.media.ssd.SsdFilePool`.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from dataclasses import dataclass
+from typing import Sequence
 
-from flatcake.config import ConfigError
+log = logging.getLogger("flatcake.ssd")
 
 #: seconds between two checks of whether a full filesystem has room for a new pool file again
 CREATE_RETRY_CHECK_S = 1.0
@@ -69,15 +71,16 @@ class Drive:
         self.create_blocked_at = self.create_checked_at = time.monotonic()
 
 
-def check_drive_count(n_drives: int, max_files: int) -> None:
-    """Refuse a pool with fewer files than drives (a drive would hold none).
-
-    Raises:
-        ConfigError: ``ssd.max_files`` below the number of ``ssd.path`` directories (names both).
-    """
-    if max_files < n_drives:
-        raise ConfigError(f"ssd.max_files: {max_files} files cannot spread over the {n_drives} drives of ssd.path; "
-                          f"set ssd.max_files to at least {n_drives} (it is the total over all drives)")
+def drives_used(paths: Sequence[str], max_files: int, prefix: str) -> list[str]:
+    """The drive directories a pool of ``max_files`` files uses: all of ``paths``, or, when
+    there are fewer files than drives (a pool derived with a small ``max_files``, such as a
+    hybrid model's extra pool), the first ``max_files`` of them (a WARNING names
+    ``ssd.max_files``) — a drive never holds no file."""
+    if max_files >= len(paths):
+        return list(paths)
+    log.warning("flatcake: ssd.max_files=%d is below the %d drives of ssd.path; pool %s uses the first %d "
+                "(ssd.max_files is the total over all drives)", max_files, len(paths), prefix, max_files)
+    return list(paths[:max_files])
 
 
 def drive_of(file_index: int, n_drives: int) -> int:
@@ -109,4 +112,4 @@ def drive_state(files: range, out_of_service: set, blocked: bool, present: bool)
     return "healthy"
 
 
-__all__ = ["CREATE_RETRY_CHECK_S", "Drive", "check_drive_count", "drive_of", "drive_state", "files_on", "misplaced"]
+__all__ = ["CREATE_RETRY_CHECK_S", "Drive", "drives_used", "drive_of", "drive_state", "files_on", "misplaced"]

@@ -117,17 +117,21 @@ class PoolFileFaults:
         scopes were dropped when it was taken out). A file that still refuses waits another
         period (logged once per errno)."""
         now = time.monotonic()
-        for i in sorted(self.out_of_service):
+        refusing = set()  # drives with a file that still refuses: their missing files stay out too
+        for i in sorted(self.out_of_service):  # a drive's created (lower) files are mostly probed first
             if now - self._out_of_service_at.get(i, now) < OUT_OF_SERVICE_RETRY_S:
                 continue
             self._out_of_service_at[i] = now
             if not os.path.isdir(os.path.dirname(self.path_of(i))):  # its drive is gone: stays out
                 continue
             exists = os.path.exists(self.path_of(i))  # if not (never created, or removed): created on demand
+            if not exists and self.drive_of(i) in refusing:
+                continue
             try:
                 if exists:
                     pool_dir.rewrite_first_block(self.path_of(i), self.file_bytes)
             except OSError as e:
+                refusing.add(self.drive_of(i))
                 self.errors("pool file retry", e)
                 continue
             self.out_of_service.discard(i)

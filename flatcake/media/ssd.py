@@ -47,7 +47,7 @@ from flatcake.config import SsdConfig
 from flatcake.errorlog import ErrorLog
 from flatcake.media import pool_dir
 from flatcake.media.errors import PoolFileGone, ShortWrite, SsdStartupError, StaleGeneration
-from flatcake.media.drives import Drive, check_drive_count, drive_of, files_on, misplaced
+from flatcake.media.drives import Drive, drive_of, drives_used, files_on, misplaced
 from flatcake.media.pool_dir import ensure_pool_dir
 from flatcake.media.pool_faults import PoolFileFaults
 from flatcake.media.directio import probe_direct_io
@@ -97,7 +97,6 @@ class SsdFilePool(PoolFileFaults):
             the pool is in use by another process, or the first file of a drive cannot be
             created (the message names that ``ssd.path`` directory and the errno). Nothing stays
             open after the error.
-        ConfigError: ``ssd.max_files`` is below the number of drives.
     """
 
     def __init__(self, cfg: SsdConfig, namespace: str, instance: str = "", follower: bool = False,
@@ -109,7 +108,8 @@ class SsdFilePool(PoolFileFaults):
         self.follower = follower
         self.errors = errors if errors is not None else ErrorLog(log)
         self.prefix = "fc-" + namespace_digest(namespace + "|" + instance).hex()[:16]
-        self.drives = [Drive(d, p) for d, p in enumerate(cfg.paths or (cfg.path,))]
+        paths = drives_used(cfg.paths or (cfg.path,), self.max_files, self.prefix)
+        self.drives = [Drive(d, p) for d, p in enumerate(paths)]
         self.n_drives = len(self.drives)
         self._fds: dict[int, int] = {}
         self._fd_lock = threading.Lock()
@@ -123,7 +123,6 @@ class SsdFilePool(PoolFileFaults):
         self._retired_fds: list[int] = []
         self._next_drive = 0  # drive of the next new scope's first extent (round-robin)
         self.removed_stale_pools: list[str] = []
-        check_drive_count(self.n_drives, self.max_files)
         for drive in self.drives:  # every drive, naming the one that fails
             ensure_pool_dir(drive.path)
         self.direct_io = self._probe(cfg, [d.path for d in self.drives])

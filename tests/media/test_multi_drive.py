@@ -13,7 +13,6 @@ import threading
 import pytest
 from flatcake_testkit import make_store, page_matches, put_pages
 
-from flatcake.config import ConfigError
 from flatcake.media import pool_dir
 
 BASE = {"ssd.file_bytes": 1 << 20, "ssd.max_files": 4}
@@ -82,8 +81,15 @@ def test_a_drive_that_cannot_be_created_fails_start_up_naming_it(drives, tmp_pat
     with pytest.raises(Exception) as ei:
         open_store([drives[0], bad])
     assert repr(bad) in str(ei.value)
-    with pytest.raises(ConfigError, match="ssd.max_files"):
-        open_store(drives, **{"ssd.max_files": 2})
+
+
+def test_fewer_files_than_drives_uses_the_first_drives_and_warns(drives, caplog):
+    store, pool, lay = open_store(drives, **{"ssd.max_files": 2})  # e.g. a hybrid model's small extra pool
+    assert [d.path for d in store.ssd.drives] == drives[:2] and not os.path.exists(drives[2])
+    assert any("ssd.max_files=2 is below the 3 drives" in r.getMessage() for r in caplog.records)
+    keys = put_session(store, pool, lay, "s", rounds=2)
+    assert [drive_dir_of(store, k) for k in keys[::2]] == drives[:2] and served(store, pool, lay, keys) == [True] * 4
+    store.close()
 
 
 def test_one_sessions_rounds_land_on_the_drives_in_turn_and_read_back_bit_exact(drives):
@@ -285,3 +291,26 @@ def test_start_up_line_and_metrics_report_each_drive(drives, make_backend, caplo
     assert [sample("ssd_drive_state", d, state="healthy") for d in range(2)] == [1, 0]
     assert [sample("ssd_drive_state", d, state="disabled") for d in range(2)] == [0, 1]
     assert sample("ssd_drive_used_bytes", 0) == 0
+
+
+def test_a_failed_drive_stays_out_while_it_refuses_and_comes_back_empty_when_it_takes_writes(drives, monkeypatch):
+    from flatcake.media import pool_faults
+
+    store, pool, lay = open_store(drives[:2], **{"ssd.max_files": 6})
+    keys = put_session(store, pool, lay, "s", rounds=2)
+    restore = refuse_writes_under(monkeypatch, drives[1])
+    assert [put_pages(store, pool, lay, [f"u{i}"], [10 + i]) for i in range(2)] == [[False], [True]]
+    assert store.snapshot_stats()["media"]["ssd"]["files_out_of_service"] == [1, 3, 5]
+    monkeypatch.setattr(pool_faults, "OUT_OF_SERVICE_RETRY_S", 0.0)
+    assert put_pages(store, pool, lay, ["v0"], [12]) == [True]  # the probe of file 1 still fails:
+    st = store.snapshot_stats()["media"]["ssd"]  # files 3 and 5 (never created) stay out with it
+    assert st["files_out_of_service"] == [1, 3, 5] and st["drives"][1]["state"] == "disabled"
+    restore()
+    gen = store.ssd.generation_of(1)
+    more = put_session(store, pool, lay, "w", rounds=2, first_page=20)  # drive 1 takes writes again
+    st = store.snapshot_stats()["media"]["ssd"]
+    assert st["files_out_of_service"] == [] and [d["state"] for d in st["drives"]] == ["healthy", "healthy"]
+    assert store.ssd.generation_of(1) == gen + 1  # back empty, under a new generation
+    assert {drive_dir_of(store, k) for k in more} == set(drives[:2]) and served(store, pool, lay, more) == [True] * 4
+    assert store.page_info(keys[2]) is None and served(store, pool, lay, keys[:2]) == [True, True]
+    store.close()
