@@ -30,6 +30,7 @@ import torch
 from sglang.srt.mem_cache.hicache_storage import (HiCacheStorageExtraInfo, PoolHitPolicy, PoolName, PoolTransfer,
                                                   PoolTransferResult)
 
+from flatcake.adapter.identity import base_identity, open_pool
 from flatcake.layout import KvPageLayout, page_layout_from_meta
 from flatcake.store import PageStore
 
@@ -123,15 +124,18 @@ class HybridPoolsMixin:
         pool set is known (capacities are split over it)."""
         return self.store is not None or (self.logical_anchor and self._v2_burst_done)
 
-    def _v2_role_instance(self) -> tuple[str, str]:
+    def _v2_role_instance(self) -> tuple[str, Optional[str]]:
         """(role, instance) of the extra stores: the KV store's; with a logical anchor the
-        same rule the KV store follows (writer/follower for MLA over TP ranks; ``dp<rank>``)."""
+        same role rule the KV store follows (writer/follower for MLA over TP ranks) and the
+        pool identity of the first store opened (``None`` until then: see
+        :meth:`_open_pool_store`)."""
         if self.store is not None:
             return self.store.role, self.store.instance
         sc = self.storage_config
         shared = bool(sc and sc.is_mla_model and sc.tp_size > 1)
         role = ("writer" if self.is_writer else "follower") if shared else "single"
-        return role, f"dp{getattr(sc, 'dp_rank', 0) if sc else 0}"
+        ident = getattr(self, "identity", None)
+        return role, ident.instance if ident is not None else None
 
     def register_mem_host_pool_v2(self, host_pool, host_pool_name) -> None:
         """Register one extra host pool (SGLang calls it once per pool after
@@ -173,7 +177,9 @@ class HybridPoolsMixin:
             self._v2_burst_done = True
             if self.logical_anchor and not self._v2_ref_bytes:  # split the totals over this pool set
                 self._v2_ref_bytes = sum(p.layout.geometry.page_bytes for p in pools.values())
-            for p in pools.values():
+            # replicated pools first: with a logical anchor the first one fixes the pool identity
+            # the way KV's does (a follower rank finds its writer's slot)
+            for p in sorted(pools.values(), key=lambda q: q.name in TP_SHARDED_POOLS):
                 if p.store is None and self._v2_can_open():
                     self._open_pool_store(p)
             self._hook_kv_retire()
@@ -197,7 +203,11 @@ class HybridPoolsMixin:
             role = "single"
         ref = self.layout.geometry.page_bytes if self.store is not None else (self._v2_ref_bytes or g.page_bytes)
         cfg = pool_config(self.cfg, ref, g.page_bytes)
-        p.store = PageStore(cfg, g, ns, instance=instance, role=role)
+        if instance is None:  # logical anchor, first pool: it takes this process's pool identity
+            p.store, self.identity = open_pool(lambda inst: PageStore(cfg, g, ns, instance=inst, role=role),
+                                               cfg, ns, base_identity(sc, cfg, getattr(self, "replica", None)), role)
+        else:
+            p.store = PageStore(cfg, g, ns, instance=instance, role=role)
         if self.logical_anchor:  # no KV store: the pools retire a session's pages together
             p.store.add_retire_listener(lambda keys, src=p.name: self._v2_retired.append((src, keys)))
         if g.page_bytes * 128 > cfg.ssd.file_bytes:

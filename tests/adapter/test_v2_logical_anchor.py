@@ -67,3 +67,15 @@ def test_logical_anchor_splits_capacity_and_retires_pools_together(make_backend)
     assert pswa.store.exists(a[2])  # the others follow at the next v2 call, outside the store locks
     be.batch_exists_v2(a, [])
     assert not pswa.store.exists(a[2]) and pswa.store.exists(b[2]) and all(pc4.store.exists(k) for k in b)
+
+
+def test_two_logical_anchor_servers_share_a_directory(make_backend):
+    """Two servers (both DP rank 0) on one ssd.path: the second takes the next pool slot, and
+    each reads only its own pages."""
+    dsv4_pool("page_first")
+    (b1, _, c41, _), (b2, _, c42, _) = logical_backend(make_backend), logical_backend(make_backend)
+    assert (b1.identity.instance, b2.identity.instance) == ("dp0", "dp0-s1")
+    assert b1.extra_pool(C4).store.ssd.prefix != b2.extra_pool(C4).store.ssd.prefix
+    assert b2.extra_pool(SWA).store.instance == "dp0-s1"
+    assert put(b1, C4, c41, ["only-1"], [0]) == [True]
+    assert b1.extra_pool(C4).store.exists("only-1") and not b2.extra_pool(C4).store.exists("only-1")
