@@ -154,8 +154,10 @@ class SsdFilePool(PoolFileFaults):
 
     def _take_writer_lock(self) -> None:
         """One writer per pool (:func:`flatcake.media.pool_dir.take_writer_lock`), on every drive:
-        another process with the same pool identity must not write any of them."""
-        for drive in self.drives:
+        another process with the same pool identity must not write any of them, and another pool
+        sharing a drive sees this one live there (never deleted as stale). Taken in path order, so
+        two processes listing the drives in different orders cannot each hold half."""
+        for drive in sorted(self.drives, key=lambda d: d.path):
             self._lock_fds.append(pool_dir.take_writer_lock(drive.path, self.prefix))
 
     def _open_existing(self) -> None:

@@ -314,3 +314,20 @@ def test_a_failed_drive_stays_out_while_it_refuses_and_comes_back_empty_when_it_
     assert {drive_dir_of(store, k) for k in more} == set(drives[:2]) and served(store, pool, lay, more) == [True] * 4
     assert store.page_info(keys[2]) is None and served(store, pool, lay, keys[:2]) == [True, True]
     store.close()
+
+
+def test_a_live_pool_is_locked_on_every_drive(drives):
+    """Another process with the same pool identity but the drives in another order fails on the
+    lock before touching any file; another pool on one of the drives sees this one live there."""
+    store, pool, lay = open_store(drives[:2], **{"ssd.max_files": 2})
+    keys = put_session(store, pool, lay, "s", rounds=2)
+    before = [pool_files(d) for d in drives[:2]]
+    with pytest.raises(pool_dir.PoolInUse):
+        open_store([drives[1], drives[0]], **{"ssd.max_files": 2})
+    assert [pool_files(d) for d in drives[:2]] == before  # nothing deleted as misplaced
+    other, _, _ = make_store(drives[1], mla=True, **{**BASE, "ssd.max_files": 1})  # drive 1 alone, full
+    assert other.ssd.removed_stale_pools == [] and pool_files(drives[1]) == sorted(
+        before[1] + [f"{other.ssd.prefix}-00000.pool"])
+    assert served(store, pool, lay, keys) == [True] * 4
+    other.close()
+    store.close()
