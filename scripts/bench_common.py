@@ -56,3 +56,117 @@ def temp_system(name: str, profile, host_pool_pages: int, base: Path, flatcake_k
     finally:
         system.close()
         shutil.rmtree(out, ignore_errors=True)
+
+
+# ---------------------------------------------------------------- FlatCake data-path benchmarks
+#: Model profiles of bench_restore / bench_write / bench_gil: layers, KV shape per token and
+#: layer, default tokens per page. MHA: K and V planes of ``kv_heads * head_dim`` bf16 each;
+#: MLA: one latent plane of ``kv_cache_dim`` bf16.
+PROFILES = {
+    # Llama-3.2-1B: 16 layers, 8 KV heads x 64; 16-token page = 512 KiB
+    "llama3.2-1b": dict(layers=16, kv_heads=8, head_dim=64, page_size=16),
+    # Qwen2.5-0.5B: 24 layers, 2 KV heads x 64; 32-token page = 384 KiB
+    "qwen2.5-0.5b": dict(layers=24, kv_heads=2, head_dim=64, page_size=32),
+    # Llama-3.1-8B: 32 layers, 8 KV heads x 128; 4-token page = 512 KiB (chunk 16 KiB)
+    "llama3.1-8b": dict(layers=32, kv_heads=8, head_dim=128, page_size=4),
+    # DeepSeek-V2-Lite (MLA): 27 layers, kv_cache_dim 576 (512 latent + 64 rope); 64-token page = 1.9 MiB
+    "deepseek-v2-lite": dict(layers=27, kv_cache_dim=576, page_size=64, mla=True),
+}
+
+
+def cpu_seconds() -> float:
+    """User + system CPU seconds of this process (all threads)."""
+    import resource
+
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def drop_tree(d: str) -> int:
+    """``fdatasync`` + ``posix_fadvise(DONTNEED)`` every file under ``d``; returns the file count."""
+    import os
+
+    from flatcake.media.directio import drop_page_cache
+
+    n = 0
+    for root, _, files in os.walk(d):
+        for f in files:
+            drop_page_cache(os.path.join(root, f))
+            n += 1
+    return n
+
+
+def make_host_pool(profile: str, tokens: int, page_size: int, layout: str, seed: int = 0):
+    """An SGLang host-pool double (bf16) of ``tokens`` token slots for ``profile``
+    (:data:`PROFILES`), filled with random bytes (a 16 MiB random block, tiled and rotated).
+
+    Returns:
+        ``(pool, is_mla)``.
+    """
+    import numpy as np
+    import torch
+
+    from flatcake.adapter.host_pool import MHAHostPoolDouble, MLAHostPoolDouble
+
+    prof = PROFILES[profile]
+    if prof.get("mla"):
+        pool = MLAHostPoolDouble(tokens, page_size, prof["layers"], prof["kv_cache_dim"], dtype=torch.bfloat16,
+                                 layout=layout)
+    else:
+        pool = MHAHostPoolDouble(tokens, page_size, prof["layers"], prof["kv_heads"], prof["head_dim"],
+                                 dtype=torch.bfloat16, layout=layout)
+    rng = np.random.default_rng(seed)
+    block = torch.from_numpy(rng.integers(0, 256, 16 << 20, dtype=np.uint8))
+    flat = pool.kv_buffer.view(torch.uint8).view(-1)
+    for o in range(0, flat.numel(), block.numel()):
+        k = min(block.numel(), flat.numel() - o)
+        flat[o: o + k] = block[:k]
+        block = block.roll(4099)
+    return pool, bool(prof.get("mla"))
+
+
+def flatcake_backend(pool, directory: str, layout: str, mla: bool, nbytes: int, page_bytes: int, **extra):
+    """FlatCake through SGLang's dynamic factory (``FlatCakeStorage``), registered on ``pool``,
+    its pool files in ``directory`` (created on first use): files of at least 256 MiB and one
+    128-page round of ``page_bytes`` pages, enough of them for ``2 * nbytes`` bytes.
+    ``extra`` are dotted config keys (``cio.io_workers`` as ``**{"cio.io_workers": 8}``)."""
+    from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+
+    from flatcake.config import FLATCAKE_EXTRA, STORAGE_BATCH_PAGES
+    from flatcake.replay.systems import storage_config
+
+    mib = 1 << 20
+    file_bytes = -(-max(256 * mib, STORAGE_BATCH_PAGES * page_bytes + 4 * mib) // mib) * mib
+    cfg = {**FLATCAKE_EXTRA, "ssd.path": directory, "ssd.file_bytes": file_bytes,
+           "ssd.max_files": max(8, 2 * nbytes // file_bytes + 4), **extra}
+    be = StorageBackendFactory.create_backend(
+        "dynamic", storage_config(cfg, model="bench/model", mla=mla, layout=layout), None)
+    be.register_mem_pool_host(pool)
+    return be
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The ``q``-th percentile (0..100, nearest rank) of ``values``; 0.0 when empty."""
+    if not values:
+        return 0.0
+    import math
+
+    s = sorted(values)
+    k = max(0, min(len(s) - 1, math.ceil(q / 100 * len(s)) - 1))
+    return float(s[k])
+
+
+def aligned(nbytes: int):
+    """A page-aligned uint8 numpy host buffer of at least ``nbytes`` bytes (for O_DIRECT I/O)."""
+    from flatcake.align import align_up
+    from flatcake.media.directio import aligned_host_buffer
+
+    return aligned_host_buffer(align_up(nbytes))[1]
+
+
+def pool_digest(pool) -> int:
+    """xxh3-64 of a host pool's whole ``kv_buffer`` (bytes)."""
+    import torch
+    import xxhash
+
+    return xxhash.xxh3_64_intdigest(pool.kv_buffer.view(torch.uint8).numpy())
