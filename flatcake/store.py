@@ -183,6 +183,7 @@ class PageStore:
         self.cio = restore_engine
         self.writer = WritePath(g, self.namespace, cfg.node_id, self.dram, self.ssd, self.stats)
         self.reader = ReadPath(g, self.dram, self.ssd, self.cio, cfg.cio.verify_checksums, self.stats, self.errors)
+        self.ssd.add_forget_listener(self.reader.forget_file)  # a file leaving/re-entering service with its drive
         self.backup = Backup(self.scopes, self.writer, self.reader, self.ssd, g, self.max_round_pages, self.stats,
                              self.errors)
 

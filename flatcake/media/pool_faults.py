@@ -89,6 +89,19 @@ class PoolFileFaults:
         log.error("flatcake: pool file %s refuses writes; taken out of service (%d of %d files left)",
                   self.path_of(file_index), self.max_files - len(self.out_of_service), self.max_files)
 
+    def add_forget_listener(self, fn) -> None:
+        """Call ``fn(file_index)`` (the read path's ``forget_file``) whenever a pool file leaves
+        or re-enters service with its drive: the readers' cached descriptors of it are dropped,
+        so a file recreated as a new inode is never read through an old one."""
+        self._forget_listeners.append(fn)
+
+    def _tell_forget(self, file_index: int) -> None:
+        for fn in self._forget_listeners:
+            try:
+                fn(file_index)
+            except Exception as e:  # noqa: BLE001 - a reader's cache never breaks fault handling
+                self.errors("forget file", e)
+
     def take_drive_out_of_service_locked(self, drive: int, why: str) -> None:
         """Drive ``drive`` failed (``why``: its files refuse writes, or its directory is gone):
         every file of it goes out of service (none allocated, none in the capacity, their pages
@@ -105,6 +118,7 @@ class PoolFileFaults:
                 if fr is not None:
                     self.used_bytes -= self.file_bytes - fr.free_bytes
                 self._close_fd(i)
+            self._tell_forget(i)
         lost = sum(1 for d in range(self.n_drives) if self.drive_health(d) == "disabled")
         log.error("flatcake: SSD drive %s (ssd.path[%d]) %s; taken out of service with its %d files "
                   "(%d of %d drives left)", self.drives[drive].path, drive, why, len(files), self.n_drives - lost,
@@ -136,6 +150,7 @@ class PoolFileFaults:
                 continue
             self.out_of_service.discard(i)
             self._generation[i] = self.generation_of(i) + 1
+            self._tell_forget(i)
             if not exists:
                 continue
             try:

@@ -122,6 +122,7 @@ class SsdFilePool(PoolFileFaults):
         self._writes = 0  # writes in flight (an fd they use is closed only once they are done)
         self._retired_fds: list[int] = []
         self._next_drive = 0  # drive of the next new scope's first extent (round-robin)
+        self._forget_listeners: list = []  # fn(file_index): readers' cached fds of a file to drop
         self.removed_stale_pools: list[str] = []
         for drive in self.drives:  # every drive, naming the one that fails
             ensure_pool_dir(drive.path)

@@ -331,3 +331,26 @@ def test_a_live_pool_is_locked_on_every_drive(drives):
     assert served(store, pool, lay, keys) == [True] * 4
     other.close()
     store.close()
+
+
+def test_a_drive_back_with_new_files_is_never_read_through_old_descriptors(drives, monkeypatch):
+    """The readers cache a descriptor per pool file. A drive whose directory went away comes back
+    empty, and its files are created again as new inodes at the same offsets: reads of the new
+    pages must see the new bytes (no checksum to save us), never the old inode's."""
+    from flatcake.media import pool_faults
+
+    store, pool, lay = open_store(drives[:2], **{"cio.verify_checksums": False, "ssd.file_bytes": 64 << 10})
+    old = put_session(store, pool, lay, "s", rounds=10)  # 16 KiB per round: drive 1 holds files 1 (full) and 3
+    assert sorted({store.page_info(k).file_index for k in old}) == [0, 1, 2, 3]
+    for _ in range(store.cfg.cio.io_workers):  # one read each: every reader thread caches file 1
+        assert store.get(old[2:3], lay, [20]) == [True]
+    old_gva = store.page_info(old[2]).gva  # round 1: file 1, offset 0
+    shutil.rmtree(drives[1])
+    assert put_pages(store, pool, lay, ["u0"], [10]) == [False]  # placed in file 3: finds the drive gone
+    os.makedirs(drives[1])  # the drive is back, empty
+    monkeypatch.setattr(pool_faults, "OUT_OF_SERVICE_RETRY_S", 0.0)
+    new = put_session(store, pool, lay, "w", rounds=2, first_page=40)
+    assert store.page_info(new[2]).gva == old_gva  # file 1 again, same offset, a new inode
+    assert served(store, pool, lay, new, first_page=50) == [True] * 4  # the new bytes, bit-exact
+    assert served(store, pool, lay, old, first_page=0) == [k in old[0::4] or k in old[1::4] for k in old]
+    store.close()
