@@ -316,6 +316,38 @@ def _page_components(pool, page: int) -> tuple[list[int], list[int]]:
     return _flat_meta(pool.get_page_buffer_meta(torch.arange(page * ps, (page + 1) * ps, dtype=torch.int64)))
 
 
+def _page_view_components(pool, page: int) -> tuple[list[int], list[int]]:
+    """(pointers, sizes) of host page ``page`` from the view ``get_data_page(slot, flat=False)``
+    returns (SGLang's flat-page path): its rows, consecutive rows merged into one range.
+
+    Raises:
+        ValueError: no ``get_data_page``, or it returns a copy (not a view into a page buffer)
+            or a view whose last dimension is not contiguous.
+    """
+    get = getattr(pool, "get_data_page", None)
+    if not callable(get):
+        raise ValueError("no get_data_page")
+    v = get(page * int(pool.page_size), flat=False)
+    owned = {b.untyped_storage().data_ptr() for b in pool_buffers(pool)}
+    if not isinstance(v, torch.Tensor) or not v.numel() or v.untyped_storage().data_ptr() not in owned:
+        raise ValueError("a page is not a view into the pool's page buffers")
+    if not v.dim() or v.stride(-1) != 1:
+        raise ValueError("a page's rows are not contiguous")
+    isz = v.element_size()
+    offs = torch.zeros((), dtype=torch.int64)
+    for n, st in zip(v.shape[:-1], v.stride()[:-1]):
+        offs = offs.unsqueeze(-1) + torch.arange(n, dtype=torch.int64) * st
+    row = int(v.shape[-1]) * isz
+    ptrs, sizes = [], []
+    for o in (offs.reshape(-1) * isz + v.data_ptr()).tolist():
+        if ptrs and ptrs[-1] + sizes[-1] == o:
+            sizes[-1] += row
+        else:
+            ptrs.append(o)
+            sizes.append(row)
+    return ptrs, sizes
+
+
 def _period(sizes: list[int]) -> int:
     """Smallest ``k`` dividing ``len(sizes)`` with ``sizes[i] == sizes[i % k]`` (planes per layer)."""
     c = len(sizes)
@@ -335,11 +367,15 @@ def page_layout_from_meta(pool, name: str) -> KvPageLayout:
     uint8 ``[num_pages, page_size, row_bytes]`` (``page_size`` tokens when every size divides by
     it, else 1 row of the whole range).
 
+    A pool without that meta in its layout (SGLang's DSA indexer and MiniMax pools in
+    ``layer_first`` raise) is mapped from the rows of the view ``get_data_page(slot,
+    flat=False)`` returns instead, the page its ``file`` backend stores.
+
     Raises:
-        UnsupportedLayoutError: separate scale tensors (:func:`separate_scale_reason`); no
-            ``get_page_buffer_meta`` or it raises (e.g. MXFP8, Mamba with slot side states);
-            pages whose ranges are not at a fixed stride inside one page buffer. The message
-            names ``name``.
+        UnsupportedLayoutError: separate scale tensors (:func:`separate_scale_reason`); neither
+            ``get_page_buffer_meta`` nor a ``get_data_page`` view into the page buffers (e.g.
+            MXFP8; Mamba with slot side states, whose page is a copy); pages whose ranges are
+            not at a fixed stride inside one page buffer. The message names ``name``.
     """
     def refuse(why: str):
         return UnsupportedLayoutError(f"host pool {name!r} ({type(pool).__name__}): {why}; FlatCake cannot store it")
@@ -348,13 +384,16 @@ def page_layout_from_meta(pool, name: str) -> KvPageLayout:
     if reason:
         raise refuse(reason)
     num_pages = int(getattr(pool, "size", 0)) // max(int(getattr(pool, "page_size", 0) or 0), 1)
-    if num_pages < 1 or not callable(getattr(pool, "get_page_buffer_meta", None)):
-        raise refuse("no page-addressable buffers (get_page_buffer_meta, size, page_size)")
+    if num_pages < 1:
+        raise refuse("no page-addressable buffers (size, page_size)")
     probes = sorted({0, 1, num_pages // 2, num_pages - 1} & set(range(num_pages)))
     try:
         metas = {p: _page_components(pool, p) for p in probes}
     except Exception as e:  # noqa: BLE001 - SGLang's own refusal (NotImplementedError, ValueError)
-        raise refuse(f"get_page_buffer_meta: {e}") from None
+        try:  # pools without zero-copy meta in this layout (DSA indexer, MiniMax in layer_first)
+            metas = {p: _page_view_components(pool, p) for p in probes}
+        except Exception as e2:  # noqa: BLE001
+            raise refuse(f"get_page_buffer_meta: {e}; get_data_page: {e2}") from None
     ptr0, sizes = metas[0]
     if not ptr0 or any(s <= 0 for s in sizes):
         raise refuse("empty page")

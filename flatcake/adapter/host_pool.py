@@ -230,29 +230,39 @@ class MambaHostPoolDouble:
 
 
 class DsaIndexerHostPoolDouble:
-    """``DSAIndexerPoolHost`` double (``pool_host/dsa.py``, page_first): one fp8 payload+scale
-    row of ``indexer_page_stride_size`` bytes per (page, layer) in ``index_k_with_scale_buffer``
-    ``[pages, layers, 1, stride]`` (payload and scales in the same buffer)."""
+    """``DSAIndexerPoolHost`` double (``pool_host/dsa.py``): one fp8 payload+scale row of
+    ``indexer_page_stride_size`` bytes per (page, layer) in ``index_k_with_scale_buffer``
+    (payload and scales in the same buffer): ``[pages, layers, 1, stride]`` page_first,
+    ``[layers, pages, stride]`` layer_first, where, as in SGLang, ``get_page_buffer_meta``
+    raises ``ValueError`` and only the flat-page path (``get_data_page``) addresses a page."""
 
     def __init__(self, size, page_size, layer_num, indexer_page_stride_size=132, layout="page_first"):
         self.size, self.page_size, self.layer_num, self.layout, self.device = size, page_size, layer_num, layout, "cpu"
         self.indexer_page_stride_size = indexer_page_stride_size
         self.indexer_dtype = torch.uint8
-        self.index_k_with_scale_buffer = torch.zeros((size // page_size, layer_num, 1, indexer_page_stride_size),
-                                                     dtype=torch.uint8)
+        dims = ((layer_num, size // page_size, indexer_page_stride_size) if layout == "layer_first"
+                else (size // page_size, layer_num, 1, indexer_page_stride_size))
+        self.index_k_with_scale_buffer = torch.zeros(dims, dtype=torch.uint8)
 
     def get_hybrid_pool_buffer(self):
         return [self.index_k_with_scale_buffer]
 
     def get_data_page(self, index, flat: bool = True):
-        p = self.index_k_with_scale_buffer[int(index) // self.page_size]
+        i = int(index) // self.page_size
+        b = self.index_k_with_scale_buffer
+        p = b[:, i:i + 1, :] if self.layout == "layer_first" else b[i:i + 1]
         return p.flatten() if flat else p
 
     def set_from_flat_data_page(self, index: int, data_page: torch.Tensor) -> None:
-        self.index_k_with_scale_buffer[int(index) // self.page_size].copy_(
-            data_page.reshape(self.layer_num, 1, self.indexer_page_stride_size))
+        i = int(index) // self.page_size
+        if self.layout == "layer_first":
+            self.index_k_with_scale_buffer[:, i:i + 1, :] = data_page.reshape(self.layer_num, 1, -1)
+        else:
+            self.index_k_with_scale_buffer[i:i + 1] = data_page.reshape(1, self.layer_num, 1, -1)
 
     def get_page_buffer_meta(self, indices):
+        if self.layout == "layer_first":
+            raise ValueError(f"Unsupported layout: {self.layout}")
         stride = self.layer_num * self.indexer_page_stride_size
         base = self.index_k_with_scale_buffer.data_ptr()
         ptrs = [base + (i // self.page_size) * stride for i in _pages(indices, self.page_size)]

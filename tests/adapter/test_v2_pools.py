@@ -151,15 +151,23 @@ def test_scale_tensor_pools_are_refused_naming_the_pool(make_backend):
 
 
 def test_unmappable_pool_is_refused_naming_the_pool(make_backend):
+    """No zero-copy meta (as SGLang's DSA indexer in layer_first) and pages that are copies,
+    not views into the pool's buffers: nothing FlatCake could address."""
     be, _ = attach(make_backend, {})
-    lf = DsaIndexerHostPoolDouble(PAGES * PAGE, PAGE, 3)
-
-    def meta(indices):  # SGLang's DSA indexer pool in layer_first has no zero-copy meta
-        raise ValueError("Unsupported layout: layer_first")
-
-    lf.get_page_buffer_meta = meta
-    with pytest.raises(UnsupportedLayoutError, match=r"'indexer'.*Unsupported layout: layer_first"):
+    lf = DsaIndexerHostPoolDouble(PAGES * PAGE, PAGE, 3, layout="layer_first")
+    view = lf.get_data_page
+    lf.get_data_page = lambda index, flat=True: view(index, flat).clone()
+    with pytest.raises(UnsupportedLayoutError, match=r"'indexer'.*Unsupported layout: layer_first.*not a view"):
         be.register_mem_host_pool_v2(lf, PoolName.INDEXER)
+    assert be.extra_pool(PoolName.INDEXER) is None
+
+
+def test_layer_first_indexer_is_mapped_from_its_page_view(make_backend):
+    """SGLang's DSA indexer in layer_first has no zero-copy meta: its page view gives one row
+    per layer (a layer-major page, as KV's)."""
+    be, _ = attach(make_backend, {PoolName.INDEXER: KINDS["indexer-layer_first"][1]()})
+    g = be.extra_pool(PoolName.INDEXER).layout.geometry
+    assert (g.layers, g.page_bytes) == (3, 3 * 132)
 
 
 def test_a_freed_kv_scope_takes_its_extra_pages_with_it(make_backend):

@@ -33,6 +33,8 @@ KINDS = {
                                                                       layout="page_first_direct")),
     "mamba": (PoolName.MAMBA, lambda: MambaHostPoolDouble(PAGES, 3)),
     "indexer": (PoolName.INDEXER, lambda: DsaIndexerHostPoolDouble(PAGES * PAGE, PAGE, 3)),
+    "indexer-layer_first": (PoolName.INDEXER, lambda: DsaIndexerHostPoolDouble(PAGES * PAGE, PAGE, 3,
+                                                                               layout="layer_first")),
     "dsv4-c4-layer_first": (PoolName.DEEPSEEK_V4_C4, lambda: dsv4_pool("layer_first")),
     "dsv4-c4-page_first": (PoolName.DEEPSEEK_V4_C4, lambda: dsv4_pool("page_first")),
     "draft-mla": (PoolName.DRAFT, lambda: MLAHostPoolDouble(PAGES * PAGE, PAGE, 1, 24, layout="page_first")),
