@@ -223,8 +223,10 @@ class FlatCakeStorage(HybridPoolsMixin, HiCacheStorage):
         """:class:`~flatcake.store.MediumSummary` of ``keys``: pages on DRAM, pages and bytes on
         SSD (FC-MAS puts the request's prefetch in the DRAM or the SSD lane by it; paper §3.2).
         Before the host pool is registered, or after close, every key counts on neither medium.
-        Never raises."""
+        With a logical KV anchor (DeepSeek-V4) the extra pools' pages count. Never raises."""
         try:
+            if self.logical_anchor:
+                return self.pools_medium_summary(keys)
             if self._ready():
                 return self.store.medium_summary(keys)
         except Exception as e:  # pragma: no cover - defensive

@@ -32,7 +32,7 @@ from sglang.srt.mem_cache.hicache_storage import (HiCacheStorageExtraInfo, PoolH
 
 from flatcake.adapter.identity import base_identity, open_pool
 from flatcake.layout import KvPageLayout, page_layout_from_meta
-from flatcake.store import PageStore
+from flatcake.store import MediumSummary, PageStore
 
 log = logging.getLogger("flatcake")
 
@@ -262,6 +262,25 @@ class HybridPoolsMixin:
         for p in list(self._v2_state().values()):
             if p.store is not None:
                 p.store.clear()
+
+    def pools_medium_summary(self, keys: List[str]) -> MediumSummary:
+        """:class:`~flatcake.store.MediumSummary` of ``keys`` over the extra pools (a logical
+        KV anchor's pages: FC-MAS puts the prefetch in the DRAM or SSD lane by it). A key is on
+        ``"ssd"`` when some pool holds it on SSD, on ``"dram"`` when pools hold it on DRAM only,
+        ``None`` when none holds it; ``ssd_bytes`` adds every pool's SSD pages (bytes).
+        Never raises."""
+        try:
+            stores = [p.store for p in self._v2_state().values() if p.store is not None]
+            media, ssd_bytes = [], 0
+            for k in keys:
+                found = [(s.medium_of(k), s.geometry.page_bytes) for s in stores]
+                ssd_bytes += sum(b for m, b in found if m == "ssd")
+                ms = {m for m, _ in found if m is not None}
+                media.append("ssd" if "ssd" in ms else ("dram" if ms else None))
+            return MediumSummary(media.count("dram"), media.count("ssd"), ssd_bytes, tuple(media))
+        except Exception as e:  # pragma: no cover - defensive
+            self.errors("medium_summary", e)
+            return MediumSummary(0, 0, 0, (None,) * len(keys))
 
     # ------------------------------------------------------------------ hit query
     def batch_exists_v2(self, keys: List[str], pool_transfers: Optional[List[PoolTransfer]] = None,

@@ -79,3 +79,16 @@ def test_two_logical_anchor_servers_share_a_directory(make_backend):
     assert b2.extra_pool(SWA).store.instance == "dp0-s1"
     assert put(b1, C4, c41, ["only-1"], [0]) == [True]
     assert b1.extra_pool(C4).store.exists("only-1") and not b2.extra_pool(C4).store.exists("only-1")
+
+
+def test_logical_anchor_medium_summary_counts_the_pools_pages(make_backend):
+    """FC-MAS picks the lane from medium_summary: with no KV store the pools' pages count."""
+    dsv4_pool("page_first")
+    be, anchor, c4, swa = logical_backend(make_backend)
+    keys = [f"ms{i}" for i in range(4)]
+    assert put(be, C4, c4, keys[:3], range(3)) == [True] * 3
+    assert put(be, SWA, swa, keys[2:3], [0], prefix=keys[:2]) == [True]
+    m = be.medium_summary(keys)
+    pb = be.extra_pool(C4).layout.geometry.page_bytes, be.extra_pool(SWA).layout.geometry.page_bytes
+    assert m.media == ("ssd", "ssd", "ssd", None) and (m.dram_pages, m.ssd_pages) == (0, 3)
+    assert m.ssd_bytes == 3 * pb[0] + pb[1]
