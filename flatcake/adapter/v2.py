@@ -248,6 +248,11 @@ class HybridPoolsMixin:
         """The registered extra pool ``name`` (``PoolName`` or str), or ``None``."""
         return self._v2_state().get(pool_key(name))
 
+    def extra_pool_stats(self) -> dict:
+        """Per extra pool (name), its store's counters and state
+        (:meth:`flatcake.store.PageStore.snapshot_stats`); ``flatcake_stats()`` stays KV's."""
+        return {p.name: p.store.snapshot_stats() for p in list(self._v2_state().values()) if p.store is not None}
+
     def close_extra_pools(self) -> None:
         """Close every extra pool's store (from ``close``). Never raises."""
         for p in list(self._v2_state().values()):

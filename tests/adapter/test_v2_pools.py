@@ -182,7 +182,7 @@ def test_a_freed_kv_scope_takes_its_extra_pages_with_it(make_backend):
     assert be.store.drop_keys([a[0]]) == 1  # session a's KV scope freed
     assert not any(be.store.exists(k) for k in a) and not any(sw.exists(k) for k in a)
     assert all(sw.exists(k) for k in b[2:]) and all(be.store.exists(k) for k in b)
-    st = sw.snapshot_stats()
+    st = be.extra_pool_stats()["swa"]
     assert st["reclaimed_scopes_ssd"] == 1 and st["pages_indexed"] == 2
 
 
