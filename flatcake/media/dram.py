@@ -63,6 +63,16 @@ class DramRegion:
         self._free = list(range(self.n_slots - 1, -1, -1))  # pop() hands out low slots first
         self.identity = np.zeros(self.n_slots, dtype=np.uint64)
 
+    def region_address(self) -> int:
+        """Address of slot 0's first byte in this process (the region is one contiguous
+        ``[n_slots * page_bytes]`` allocation; a DRAM GVA offset is relative to it). The cluster
+        data plane registers ``[region_address(), + region_bytes())`` with the Transfer Engine."""
+        return int(self.slots.data_ptr())
+
+    def region_bytes(self) -> int:
+        """Size of the region in bytes (``n_slots * page_bytes``; 0 when DRAM is disabled)."""
+        return self.n_slots * self.page_bytes
+
     @property
     def free_slots(self) -> int:
         return len(self._free)

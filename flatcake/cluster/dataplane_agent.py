@@ -1,0 +1,298 @@
+"""A data-plane node process driven over stdin/stdout (JSON lines), for the tests and
+``scripts/bench_cluster.py``: a :class:`~flatcake.cluster.node.ClusterNode` (the replicated
+index) plus this node's data plane — a Transfer Engine, an exported DRAM region, one SSD pool
+file served by :class:`~flatcake.cluster.remote_ssd.SsdOwnerServer`, and the remote readers.
+
+Lifecycle::
+
+    python -m flatcake.cluster.dataplane_agent     (under ip netns exec <node namespace>)
+      -> start {host, config, layers, chunk_bytes, dram_pages, ssd_dir, ...}
+      -> write_dram / write_ssd {scope, seq, keys, seed}   pages of deterministic bytes, published
+      -> resolve {keys} (the view's RemotePages, kept) -> read {handle | keys}   remote reads
+      -> overwrite_dram {keys, seed}                         reuse slots under a reader
+      -> close | SIGKILL
+
+Page bytes are :func:`page_data` of (seed, key): the driver computes what a page must hold.
+Replies: ``{"ok": true, ...}`` or ``{"ok": false, "error": ...}``; a command never kills the agent.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import os
+import sys
+import time
+from typing import Optional
+
+import numpy as np
+import xxhash
+
+from flatcake.gva.address import MEDIUM_DRAM, MEDIUM_SSD, encode_gva, medium_of
+
+COMMANDS = {"start", "write_dram", "write_ssd", "overwrite_dram", "wait", "resolve", "read", "raw_read",
+            "set_piece_delay", "stats", "close"}
+
+
+def page_data(seed: int, key: str, page_bytes: int) -> np.ndarray:
+    """Deterministic uint8 ``[page_bytes]`` content of page ``key`` under ``seed``."""
+    rng = np.random.default_rng(xxhash.xxh3_64_intdigest(f"{seed}/{key}".encode()))
+    return rng.integers(0, 256, page_bytes, dtype=np.uint8)
+
+
+class DataPlaneAgent:
+    """The commands (see the module docstring); one instance per process."""
+
+    def __init__(self):
+        self.node = None
+        self.handles: dict[int, list] = {}
+        self.slot_of: dict[str, int] = {}
+        self.descs: dict[int, object] = {}
+        self.ssd_used = 0
+
+    def start(self, host: str, config: dict, layers: int, chunk_bytes: int, dram_pages: int, ssd_dir: str,
+              file_bytes: int = 64 << 20, slot_bytes: int = 1 << 20, landing_bytes: int = 8 << 20,
+              timeout_s: float = 1.0, ssd_port: int = 5601) -> dict:
+        """Start the Transfer Engine, DRAM region, SSD pool file and server, readers and the
+        cluster node; publish the descriptor. Reply: ``te`` (address), ``ssd_rpc``."""
+        from flatcake.cluster.node import ClusterNode
+        from flatcake.cluster.remote_dram import RemoteDramReader, export_dram
+        from flatcake.cluster.remote_ssd import SsdOwnerServer
+        from flatcake.cluster.remote_ssd_reader import RemoteSsdReader
+        from flatcake.cluster.transfer import DataPlaneDescriptor, TransferEndpoint, publish_descriptor
+        from flatcake.config import DramConfig, load_config
+        from flatcake.media.dram import DramRegion
+
+        cfg = load_config(None, config)
+        self.node_id, self.layers, self.chunk_bytes = cfg.node_id, layers, chunk_bytes
+        self.page_bytes = layers * chunk_bytes
+        self.cluster_cfg = cfg.cluster
+        self.ep = TransferEndpoint(host)
+        self.region = DramRegion(DramConfig(capacity_bytes=dram_pages * self.page_bytes, pin="off"), self.page_bytes)
+        dram_addr, dram_bytes = export_dram(self.ep, self.region)
+        self.pool_path = os.path.join(ssd_dir, f"node{cfg.node_id}-00000.pool")
+        self.file_bytes = file_bytes
+        with open(self.pool_path, "wb") as f:
+            f.truncate(file_bytes)
+        self.server = SsdOwnerServer(self.ep, lambda i: self.pool_path, file_bytes, f"tcp://{host}:{ssd_port}",
+                                     slot_bytes=slot_bytes, timeout_s=timeout_s).start()
+        self.dram_reader = RemoteDramReader(self.ep, landing_bytes)
+        self.ssd_reader = RemoteSsdReader(self.ep, max(landing_bytes, slot_bytes), timeout_s)
+        self.node = ClusterNode(cfg.cluster, cfg.node_id).start()
+        desc = DataPlaneDescriptor(cfg.node_id, self.ep.address, dram_addr, dram_bytes, self.server.endpoint_url)
+        publish_descriptor(self.node.session, cfg.cluster.prefix, desc, self.node.lease_id())
+        return {"te": self.ep.address, "ssd_rpc": self.server.endpoint_url}
+
+    def write_dram(self, scope: int, seq: int, keys: list, seed: int) -> dict:
+        """Write pages into free DRAM slots, checksum them, publish the round. Reply: ``gvas``."""
+        from flatcake.cluster.remote_dram import dram_round_checksums
+
+        slots = self.region.allocate_locked(len(keys))
+        if slots is None:
+            raise RuntimeError("DRAM region full")
+        arr = self.region.slots.numpy()
+        for s, k in zip(slots, keys):
+            arr[s] = page_data(seed, k, self.page_bytes)
+            self.slot_of[k] = s
+        self.region.set_identity(slots, keys)
+        sums = dram_round_checksums(self.region, slots, self.layers)
+        gvas = [encode_gva(MEDIUM_DRAM, self.node_id, s * self.page_bytes) for s in slots]
+        self.node.index.publish_round(scope, seq, MEDIUM_DRAM, keys, gvas, self.chunk_bytes, sums)
+        return {"gvas": gvas}
+
+    def overwrite_dram(self, keys: list, seed: int) -> dict:
+        """Put other bytes into the slots of ``keys`` (a reclaimed slot reused), no publication."""
+        arr = self.region.slots.numpy()
+        for k in keys:
+            arr[self.slot_of[k]] = page_data(seed, k, self.page_bytes)
+        return {}
+
+    def write_ssd(self, scope: int, seq: int, keys: list, seed: int) -> dict:
+        """Append one layer-major round (chunk (p, l) at base + (l * n + p) * chunk_bytes) to the
+        pool file, checksum it, publish it. Reply: ``gvas``."""
+        from flatcake.align import align_up
+        from flatcake.cluster.transfer import page_checksums
+
+        n, cb = len(keys), self.chunk_bytes
+        pages = np.stack([page_data(seed, k, self.page_bytes) for k in keys]) if keys else np.zeros((0, 0), np.uint8)
+        base = self.ssd_used
+        layer_major = pages.reshape(n, self.layers, cb).transpose(1, 0, 2).copy()
+        if base + layer_major.nbytes > self.file_bytes:
+            raise RuntimeError("SSD pool file full")
+        with open(self.pool_path, "r+b") as f:
+            f.seek(base)
+            f.write(layer_major.tobytes())
+            f.flush()
+            os.fsync(f.fileno())
+        self.ssd_used = align_up(base + layer_major.nbytes)
+        gvas = [encode_gva(MEDIUM_SSD, self.node_id, base + p * cb) for p in range(n)]
+        self.node.index.publish_round(scope, seq, MEDIUM_SSD, keys, gvas, n * cb,
+                                      page_checksums(pages, self.layers, cb))
+        return {"gvas": gvas}
+
+    def wait(self, keys: list, present: bool = True, timeout_s: float = 10.0) -> dict:
+        """Poll the view until every key is (``present``) or none is. Reply: ``done``, ``elapsed_s``."""
+        t0 = time.monotonic()
+        while True:
+            n = sum(self.node.index.view.contains(k) for k in keys)
+            if n == (len(keys) if present else 0):
+                return {"done": True, "elapsed_s": time.monotonic() - t0}
+            if time.monotonic() - t0 > timeout_s:
+                return {"done": False, "elapsed_s": time.monotonic() - t0, "present": n}
+            time.sleep(0.002)
+
+    def resolve(self, keys: list) -> dict:
+        """Look ``keys`` up in the view now and keep the pages. Reply: ``handle``, ``found``."""
+        pages = self.node.index.lookup(keys)
+        h = len(self.handles) + 1
+        self.handles[h] = pages
+        return {"handle": h, "found": sum(p is not None for p in pages)}
+
+    def _desc(self, node: int):
+        from flatcake.cluster.transfer import lookup_descriptor
+
+        if node not in self.descs:
+            self.descs[node] = lookup_descriptor(self.node.session, self.cluster_cfg.prefix, node)
+        return self.descs[node]
+
+    def read(self, handle: Optional[int] = None, keys: Optional[list] = None, data: bool = False) -> dict:
+        """Read the pages of ``handle`` (or look ``keys`` up now) from their owners. Reply: ``hit``
+        (bools), ``misses`` (by cause), ``elapsed_s``, ``bytes`` read, ``data`` (base64 pages) if asked."""
+        pages = self.handles[handle] if handle is not None else self.node.index.lookup(keys)
+        hit = np.zeros(len(pages), dtype=bool)
+        out = np.zeros((len(pages), self.page_bytes), dtype=np.uint8)
+        misses: dict = {"not_in_view": 0}
+        t0 = time.perf_counter()
+        groups: dict = {}
+        for i, p in enumerate(pages):
+            if p is None:
+                misses["not_in_view"] += 1
+            else:
+                groups.setdefault((p.node, medium_of(p.gva)), []).append(i)
+        for (node, medium), idx in groups.items():
+            reader = self.dram_reader if medium == MEDIUM_DRAM else self.ssd_reader
+            res = reader.read(self._desc(node), [pages[i] for i in idx], self.layers, self.chunk_bytes)
+            hit[idx], out[idx] = res.hit, res.data
+            for k, v in res.misses.items():
+                misses[k] = misses.get(k, 0) + v
+        elapsed = time.perf_counter() - t0
+        reply = {"hit": hit.tolist(), "misses": misses, "elapsed_s": elapsed, "bytes": int(hit.sum()) * self.page_bytes}
+        if data:
+            reply["data"] = [base64.b64encode(out[i].tobytes()).decode() if hit[i] else None for i in range(len(pages))]
+        return reply
+
+    def raw_read(self, handle: int) -> dict:
+        """The Transfer Engine's raw read of the same bytes as :meth:`read` of DRAM pages (one
+        entry per page, no checksum, no copy out). Reply: ``ok`` (bool), ``elapsed_s``, ``bytes``."""
+        from flatcake.gva.address import OFFSET_MASK
+
+        pages = self.handles[handle]
+        desc = self._desc(pages[0].node)
+        per = max(1, self.dram_reader.landing.nbytes // self.page_bytes)
+        t0 = time.perf_counter()
+        ok = True
+        for lo in range(0, len(pages), per):
+            batch = pages[lo: lo + per]
+            local = [self.dram_reader.landing.addr + i * self.page_bytes for i in range(len(batch))]
+            remote = [desc.dram_addr + (p.gva & OFFSET_MASK) for p in batch]
+            ok &= self.ep.read(desc.te, local, remote, [self.page_bytes] * len(batch))
+        return {"ok": bool(ok), "elapsed_s": time.perf_counter() - t0, "bytes": len(pages) * self.page_bytes}
+
+    def set_piece_delay(self, seconds: float) -> dict:
+        """Make this node's SSD server sleep before each piece (a slow disk; tests only)."""
+        self.server.piece_delay_s = seconds
+        return {}
+
+    def stats(self) -> dict:
+        """Reply: SSD server counters and the view's ``propagation_s`` samples."""
+        s = self.server
+        return {"pieces_served": s.pieces_served, "requests": s.requests, "dropped": s.dropped,
+                "propagation_s": self.node.index.view.propagation_s()}
+
+    def close(self) -> dict:
+        """Leave the cluster (revoke the lease), stop the server, remove the pool file."""
+        if self.node is not None:
+            self.node.close()
+            self.node = None
+            self.server.close()
+            self.ssd_reader.close()
+            self.ep.close()
+            try:
+                os.unlink(self.pool_path)
+            except OSError:
+                pass
+        return {}
+
+
+class DataPlaneClient:
+    """The driver's end of one data-plane agent, started in node ``i``'s namespace by
+    :meth:`flatcake.cluster.netns.LocalCluster.spawn` (stopped by the cluster's close).
+
+    Args:
+        cluster: the :class:`~flatcake.cluster.netns.LocalCluster`; i: node index.
+    """
+
+    def __init__(self, cluster, i: int):
+        import subprocess
+
+        self.i = i
+        self.proc = cluster.spawn(i, [sys.executable, "-m", "flatcake.cluster.dataplane_agent"],
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
+
+    def send(self, cmd: str, **kw) -> None:
+        """Send a command without reading its reply."""
+        self.proc.stdin.write(json.dumps({"cmd": cmd, **kw}) + "\n")
+        self.proc.stdin.flush()
+
+    def reply(self, limit_s: float = 120.0) -> dict:
+        """The next reply line.
+
+        Raises:
+            RuntimeError: the agent exited, or sent nothing for ``limit_s`` seconds (a guard
+                against a hung test, not a measurement).
+        """
+        import select
+
+        ready, _, _ = select.select([self.proc.stdout], [], [], limit_s)
+        if not ready:
+            raise RuntimeError(f"data-plane agent {self.i}: no reply within {limit_s} s")
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"data-plane agent {self.i} exited (status {self.proc.poll()})")
+        return json.loads(line)
+
+    def must(self, cmd: str, limit_s: float = 120.0, **kw) -> dict:
+        """Send ``cmd`` and return its reply. Raises RuntimeError when it is not ok."""
+        self.send(cmd, **kw)
+        out = self.reply(limit_s)
+        if not out.get("ok"):
+            raise RuntimeError(f"data-plane agent {self.i} {cmd}: {out.get('error')}")
+        return out
+
+
+def main() -> int:
+    """Serve commands from stdin until EOF or ``{"cmd": "exit"}``; returns 0."""
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="dp-agent %(levelname)s %(name)s: %(message)s")
+    agent = DataPlaneAgent()
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        msg = json.loads(line)
+        cmd = msg.pop("cmd")
+        if cmd == "exit":
+            break
+        try:
+            if cmd not in COMMANDS:
+                raise ValueError(f"unknown command {cmd!r}")
+            reply = {"ok": True, **getattr(agent, cmd)(**msg)}
+        except Exception as e:
+            reply = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+        sys.stdout.write(json.dumps(reply) + "\n")
+        sys.stdout.flush()
+    agent.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

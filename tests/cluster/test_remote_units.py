@@ -1,0 +1,89 @@
+"""Data-plane pieces that need no namespace: the owner's piece planner, checksums and their check,
+the data-plane descriptor, a remote page's chunk ranges, the DRAM region's address accessors."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from flatcake.cluster.records import RemotePage
+from flatcake.cluster.remote_dram import chunk_ranges
+from flatcake.cluster.remote_ssd import plan_pieces
+from flatcake.cluster.transfer import DataPlaneDescriptor, descriptor_key, page_checksums, verify_landed
+from flatcake.config import DramConfig
+from flatcake.gva.address import MEDIUM_DRAM, MEDIUM_SSD, encode_gva
+from flatcake.media.dram import DramRegion
+
+FILE = 1 << 20
+
+
+def _apply(pieces, disk: bytes, slot_bytes: int) -> dict:
+    """Replay a plan against an in-memory 'disk' (files back to back): range j -> its bytes."""
+    out = {}
+    for p in pieces:
+        slot = bytearray(slot_bytes)
+        for fi, fo, n, so in p.runs:
+            assert fo % 4096 == n % 4096 == so % 4096 == 0
+            slot[so: so + n] = disk[fi * FILE + fo: fi * FILE + fo + n]
+        assert p.used <= slot_bytes
+        for j, so in p.chunks:
+            out[j] = (so, bytes(slot))
+    return out
+
+
+def test_plan_sorts_merges_aligns_and_packs_ranges_so_each_lands_whole():
+    rng = np.random.default_rng(3)
+    disk = rng.integers(0, 256, 2 * FILE, dtype=np.uint8).tobytes()
+    # unordered, unaligned, overlapping, on two files
+    ranges = [(FILE + 8192, 3000), (100, 5000), (5100, 4096), (0, 100), (FILE + 3 * 4096, 4096), (50000, 20000)]
+    pieces = plan_pieces(ranges, FILE, 32768)
+    got = _apply(pieces, disk, 32768)
+    assert sorted(got) == list(range(len(ranges)))
+    for j, (off, n) in enumerate(ranges):
+        so, slot = got[j]
+        assert slot[so: so + n] == disk[off: off + n]
+    # (0,100) (100,5000) (5100,4096) share one aligned run [0, 12288); 50000+20000 -> [49152, 73728)
+    # does not fit beside it in 32 KiB and opens piece 2, where file 1's two adjacent ranges
+    # (one run [8192, 16384)) fill it to exactly 32 KiB
+    assert [[(fi, fo, n) for fi, fo, n, _ in p.runs] for p in pieces] == \
+        [[(0, 0, 12288)], [(0, 49152, 24576), (1, 8192, 8192)]]
+
+
+def test_plan_refuses_a_range_over_a_file_end_or_larger_than_a_slot():
+    with pytest.raises(ValueError, match="crosses the end"):
+        plan_pieces([(FILE - 10, 20)], FILE, 65536)
+    with pytest.raises(ValueError, match="more than one"):
+        plan_pieces([(0, 65537)], FILE, 65536)
+    assert plan_pieces([], FILE, 65536) == []
+
+
+def test_checksums_of_page_major_pages_and_their_check():
+    rng = np.random.default_rng(5)
+    pages = rng.integers(0, 256, (3, 4 * 512), dtype=np.uint8)
+    sums = page_checksums(pages, 4, 512)
+    assert sums.shape == (3, 4) and sums.dtype == np.uint64
+    landed = pages.reshape(-1).copy()
+    landed[512 * 4 + 7] ^= 1  # one byte of page 1, layer 0
+    ok = verify_landed(landed, [sums[0], sums[1], None], 4, 512)
+    assert ok.tolist() == [True, False, False]  # page 2: no checksum -> never served
+
+
+def test_descriptor_round_trip_and_key():
+    d = DataPlaneDescriptor(7, "10.78.0.10:15000", 140000000000, 1 << 30, "tcp://10.78.0.10:5601")
+    assert DataPlaneDescriptor.decode(d.encode()) == d
+    assert descriptor_key("/flatcake", 7) == "/flatcake/dataplane/0007"
+    with pytest.raises(ValueError):
+        DataPlaneDescriptor.decode(b"{}")
+
+
+def test_chunk_ranges_of_a_dram_page_and_a_layer_major_ssd_page():
+    dram = RemotePage(1, encode_gva(MEDIUM_DRAM, 1, 3 * 2048), 0, 512, None, "k")
+    assert chunk_ranges(dram, 4, 512) == [(6144, 2048)]
+    ssd = RemotePage(1, encode_gva(MEDIUM_SSD, 1, 8192 + 512), 0, 10 * 512, None, "k")
+    assert chunk_ranges(ssd, 3, 512) == [(8704, 512), (8704 + 5120, 512), (8704 + 10240, 512)]
+
+
+def test_dram_region_exposes_its_address_and_size():
+    r = DramRegion(DramConfig(capacity_bytes=10 * 4096, pin="off"), 4096)
+    assert r.region_address() == r.slots.data_ptr()
+    assert r.region_bytes() == 10 * 4096
