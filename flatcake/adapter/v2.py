@@ -303,6 +303,7 @@ class HybridPoolsMixin:
         try:
             self._v2_state()
             self._drain_retired()
+            self._hook_kv_retire()  # a re-registered KV pool has a new store
             kv = self._kv_run(keys, pool_transfers, extra_info)
             hits: dict = {PoolName.KV: kv} if kv else {}
             restorable = list(range(1, kv + 1))
@@ -359,6 +360,7 @@ class HybridPoolsMixin:
         try:
             self._v2_state()
             self._drain_retired()
+            self._hook_kv_retire()  # a re-registered KV pool has a new store
             return {t.name: self._transfer(t, extra_info, write=False) for t in transfers or []}
         except Exception as e:  # an unusable transfer list: nothing moved
             self.errors("batch_get_v2", e)
@@ -372,6 +374,7 @@ class HybridPoolsMixin:
         try:
             self._v2_state()
             self._drain_retired()
+            self._hook_kv_retire()  # a re-registered KV pool has a new store
             return {t.name: self._transfer(t, extra_info, write=True) for t in transfers or []}
         except Exception as e:  # an unusable transfer list: nothing moved
             self.errors("batch_set_v2", e)

@@ -196,3 +196,14 @@ def test_never_raises_into_sglang_threads(make_backend):
     assert be.batch_get_v2([transfer(PoolName.INDEXER, idx, ["x"], [0])]) == {PoolName.INDEXER: [False]}
     assert be.batch_set_v2([transfer(PoolName.INDEXER, idx, ["x"], [0])]) == {PoolName.INDEXER: [False]}
     assert be.extra_pool(PoolName.INDEXER).store.closed
+
+
+def test_a_re_registered_kv_pool_still_retires_extra_pages(make_backend):
+    swa = KINDS["swa-page_first"][1]()
+    be, kv = attach(make_backend, {PoolName.SWA: swa})
+    be.register_mem_pool_host(kv)  # a new KV store over the same pool
+    keys = [f"rr{i}" for i in range(3)]
+    _kv(be, kv, keys)
+    assert put(be, PoolName.SWA, swa, keys[1:], [1, 2], prefix=keys[:1]) == [True, True]
+    assert be.store.drop_keys([keys[0]]) == 1
+    assert not any(be.extra_pool(PoolName.SWA).store.exists(k) for k in keys)
