@@ -8,8 +8,10 @@ Lifecycle of one round (no lock held)::
     DRAM:  gather the pages layer by layer -> copy into the reserved slots -> record each
            slot's identity (its key)                                       -> PageEntry per page
     SSD:   [extent header, if the round opens an extent: one 4 KiB pwrite]
-           gather the pages layer-major into this thread's aligned buffer -> xxh3-64 per chunk
-           -> pwrite 1: round header | data          (the bytes)
+           gather the pages layer-major into this thread's aligned buffer (one numpy copy per
+           layer and plane) -> xxh3-64 per chunk (one GIL-free call for the round)
+           -> pwrite(s) 1: round header | data       (the bytes; slabs of ~8 MiB of whole layers
+                                                     written while the next are gathered)
            -> pwrite 2: record (identity, keys, checksums)   (only now does the round exist)
            -> PageEntry per page (GVA, layer stride, checksums)
 
@@ -24,11 +26,14 @@ file vanished); the store then aborts the placement and reports a failed put.
 from __future__ import annotations
 
 import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Optional
 
 import numpy as np
 import torch
 
-from flatcake.align import align_up
+from flatcake.align import align_down, align_up
+from flatcake.cio import xxh3_bulk
 from flatcake.cio.pagecopy import chunk_checksums, gather_pages
 from flatcake.config import STORAGE_BATCH_PAGES
 from flatcake.gva.address import MEDIUM_DRAM, MEDIUM_SSD, encode_gva
@@ -43,6 +48,10 @@ from flatcake.stats import StoreStats
 
 #: pages in one round at most: one SGLang backup call
 MAX_ROUND_PAGES = STORAGE_BATCH_PAGES
+
+#: bytes of a round handed to the write thread at a time (whole layers; at least one): the
+#: next layers are gathered and hashed while they are written
+PIPELINE_BYTES = 8 << 20
 
 #: key length assumed when sizing the largest round a pool file can hold (SGLang keys are 64 hex chars)
 _SIZING_KEY = "k" * 80
@@ -77,6 +86,21 @@ def max_round_pages(file_bytes: int, geometry: PageGeometry) -> int:
     return n
 
 
+_pool: Optional[ThreadPoolExecutor] = None
+_pool_lock = threading.Lock()
+
+
+def _writer() -> ThreadPoolExecutor:
+    """The process's write threads (2, shared by every store): they write a round's leading
+    slabs while the next layers are gathered."""
+    global _pool
+    if _pool is None:
+        with _pool_lock:
+            if _pool is None:
+                _pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="fc-write")
+    return _pool
+
+
 class WritePath:
     """Writes placed rounds to DRAM slots or SSD extents.
 
@@ -98,6 +122,7 @@ class WritePath:
         self.ssd = ssd
         self.stats = stats
         self._tls = threading.local()
+        xxh3_bulk.warm_up()  # the GIL-free checksum loop, ready before the first round
 
     def write(self, plc: Placement, layout: KvPageLayout) -> list[PageEntry]:
         """Write round ``plc`` from pages ``plc.src_pages`` of ``layout``.
@@ -145,14 +170,14 @@ class WritePath:
         self.ssd.write(ext.file_index, ext.offset, view[: fmt.BLOCK], plc.generation)
         self.stats.add(ssd_write_bytes=fmt.BLOCK, ssd_write_ops=1)
 
-    def _gather_layer_major(self, plc: Placement, layout: KvPageLayout, arr: np.ndarray) -> None:
-        """Copy the round's chunks into ``arr`` (uint8 ``[layers * n * chunk_bytes]``), layer-major:
-        one vectorized copy per (layer, plane) (:func:`~flatcake.cio.pagecopy.gather_pages`)."""
+    def _gather_layers(self, plc: Placement, layout: KvPageLayout, data: torch.Tensor, l0: int, l1: int) -> None:
+        """Copy layers ``l0..l1-1`` of the round's chunks into ``data`` (uint8 ``[layers, n,
+        chunk_bytes]``, layer-major): one vectorized copy per (layer, plane)
+        (:func:`~flatcake.cio.pagecopy.gather_pages`)."""
         g = self.geometry
         n = len(plc.keys)
-        data = torch.from_numpy(arr).view(g.layers, n, g.chunk_bytes)
         src = np.asarray(plc.src_pages, dtype=np.int64)
-        for layer in range(g.layers):
+        for layer in range(l0, l1):
             if layout.device.type == "cpu":
                 gather_pages(layout, src, layer, data[layer])
             else:
@@ -160,15 +185,42 @@ class WritePath:
                 gather_pages(layout, src, layer, tmp)
                 data[layer].copy_(tmp)
 
-    def _checksums(self, view: memoryview, base: int, n: int) -> np.ndarray:
-        """uint64 ``[layers, n]`` xxh3-64 of every chunk of the layer-major data at ``view[base:]``."""
-        g = self.geometry
-        cb = g.chunk_bytes
-        data = np.frombuffer(view, dtype=np.uint8, count=g.layers * n * cb, offset=base)
-        return chunk_checksums(data, cb).reshape(g.layers, n)
+    def _write_data(self, plc: Placement, layout: KvPageLayout, view: memoryview, arr: np.ndarray) -> tuple:
+        """Gather, checksum and write header | data (``view[:record_offset]``), pipelined: each
+        slab of about :data:`PIPELINE_BYTES` (whole layers) is handed to the write thread as
+        soon as it is gathered and hashed, cut at a 4 KiB boundary, while the next slab is
+        gathered. Returns ``(sums uint64 [layers, n], pwrite calls)``; every write has ended
+        when it returns or raises (the buffer is this thread's and is reused next round)."""
+        g, lay = self.geometry, plc.layout
+        n, cb, L = lay.n_pages, g.chunk_bytes, g.layers
+        slab = n * cb
+        data_end = fmt.BLOCK + L * slab
+        data = torch.from_numpy(arr[fmt.BLOCK: data_end]).view(L, n, cb)
+        sums = np.empty((L, n), dtype=np.uint64)
+        step = max(1, PIPELINE_BYTES // max(1, slab))
+        futures, sent = [], 0
+        try:
+            for l0 in range(0, L, step):
+                l1 = min(L, l0 + step)
+                self._gather_layers(plc, layout, data, l0, l1)
+                sums[l0:l1] = chunk_checksums(arr[fmt.BLOCK + l0 * slab: fmt.BLOCK + l1 * slab], cb).reshape(l1 - l0, n)
+                cut = align_down(fmt.BLOCK + l1 * slab, fmt.BLOCK) if l1 < L else sent
+                if cut > sent:
+                    futures.append(_writer().submit(self.ssd.write, plc.extent_file, plc.round_offset + sent,
+                                                         view[sent:cut], plc.generation))
+                    sent = cut
+            arr[data_end: lay.record_offset] = 0
+            self.ssd.write(plc.extent_file, plc.round_offset + sent, view[sent: lay.record_offset], plc.generation)
+        finally:
+            errs = [f.exception() for f in futures]  # waits for every write
+        err = next((e for e in errs if e is not None), None)
+        if err is not None:
+            raise err
+        return sums, len(futures) + 1
 
     def _write_ssd(self, plc: Placement, layout: KvPageLayout) -> list[PageEntry]:
-        """Write the round: header | layer-major data in one aligned pwrite, then its record."""
+        """Write the round: header | layer-major data (pipelined slabs, :meth:`_write_data`), then,
+        once every data write has ended, its record."""
         g = self.geometry
         lay = plc.layout
         n = lay.n_pages
@@ -178,17 +230,13 @@ class WritePath:
         view = self._scratch(lay.total_bytes)
         arr = np.frombuffer(view, dtype=np.uint8, count=lay.total_bytes)
         view[: fmt.BLOCK] = fmt.pack_round_header(lay, plc.seq, plc.scope.scope_id, plc.nonce)
-        data_end = fmt.BLOCK + n * g.layers * cb
-        self._gather_layer_major(plc, layout, arr[fmt.BLOCK: data_end])
-        sums = self._checksums(view, fmt.BLOCK, n)
-        arr[data_end: lay.record_offset] = 0
+        sums, ops = self._write_data(plc, layout, view, arr)  # the bytes first
         rec = fmt.pack_record(self.namespace, plc.keys, g.layers, cb, sums, plc.scope.scope_id, plc.seq, plc.nonce)
         arr[lay.record_offset: lay.record_offset + len(rec)] = np.frombuffer(rec, dtype=np.uint8)
         arr[lay.record_offset + len(rec): lay.total_bytes] = 0
-        self.ssd.write(plc.extent_file, plc.round_offset, view[: lay.record_offset], plc.generation)  # the bytes first
         self.ssd.write(plc.extent_file, plc.round_offset + lay.record_offset, view[lay.record_offset: lay.total_bytes],
                        plc.generation)
-        self.stats.add(ssd_write_bytes=lay.total_bytes, ssd_write_ops=2, pages_written_ssd=n)
+        self.stats.add(ssd_write_bytes=lay.total_bytes, ssd_write_ops=ops + 1, pages_written_ssd=n)
         stride = n * cb
         base_off = plc.extent_file * self.ssd.file_bytes + plc.round_offset + fmt.BLOCK
         return [

@@ -145,8 +145,7 @@ def verify_chunks(host, b0: np.ndarray, idx: np.ndarray, chunks: ChunkBatch, chu
     sel = np.flatnonzero(has) if not has.all() else None
     if sel is not None and sel.shape[0] == 0:
         return ok
-    starts = (b0 if sel is None else b0[sel]).tolist()
-    got = checksums_at(host, starts, chunk_bytes)
+    got = checksums_at(host, b0 if sel is None else b0[sel], chunk_bytes)
     want = chunks.checksum[idx if sel is None else idx[sel]]
     bad = np.flatnonzero(got != want)
     if bad.shape[0]:

@@ -11,8 +11,8 @@ for the whole copy. CUDA layouts use one ``index_select`` / ``index_copy_`` per 
 
 Checksums stay one xxh3-64 per (page, layer) chunk: that is the on-disk format
 (``docs/durability.md``) and what lets a restore verify any subset of a round's pages without
-reading the rest. :func:`chunk_checksums` computes them in one list comprehension over a
-memoryview (xxhash releases the GIL inside each hash).
+reading the rest. :func:`chunk_checksums` / :func:`checksums_at` compute all of a buffer's in
+one call that releases the GIL (:mod:`flatcake.cio.xxh3_bulk`).
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ from typing import Sequence
 
 import numpy as np
 import torch
-import xxhash
+
+from flatcake.cio.xxh3_bulk import xxh3_at
 
 
 def _ids(page_ids, num_pages: int) -> np.ndarray:
@@ -118,7 +119,8 @@ def scatter_pages(layout, src: torch.Tensor, page_ids, layer: int) -> None:
 
 
 def chunk_checksums(data: np.ndarray, chunk_bytes: int) -> np.ndarray:
-    """xxh3-64 (``xxhash.xxh3_64_intdigest``, seed 0) of every ``chunk_bytes`` chunk of ``data``.
+    """xxh3-64 (``xxhash.xxh3_64_intdigest``, seed 0) of every ``chunk_bytes`` chunk of ``data``,
+    in one GIL-free call where the native loop is available (:mod:`flatcake.cio.xxh3_bulk`).
 
     Args:
         data: contiguous uint8 ``[m * chunk_bytes]`` (e.g. a round's layer-major data).
@@ -127,19 +129,14 @@ def chunk_checksums(data: np.ndarray, chunk_bytes: int) -> np.ndarray:
     Returns:
         uint64 ``[m]``, chunk ``i`` = ``data[i*chunk_bytes:(i+1)*chunk_bytes]``.
     """
-    mv = memoryview(data)
-    h = xxhash.xxh3_64_intdigest
     m = data.shape[0] // chunk_bytes
-    return np.fromiter((h(mv[o: o + chunk_bytes]) for o in range(0, m * chunk_bytes, chunk_bytes)),
-                       dtype=np.uint64, count=m)
+    return xxh3_at(data, np.arange(m, dtype=np.int64) * chunk_bytes, chunk_bytes)
 
 
 def checksums_at(host: np.ndarray, starts: Sequence[int], chunk_bytes: int) -> np.ndarray:
     """uint64 ``[len(starts)]`` xxh3-64 of the ``chunk_bytes`` bytes at each offset of ``host``
-    (uint8, contiguous; offsets in bytes)."""
-    mv = memoryview(host)
-    h = xxhash.xxh3_64_intdigest
-    return np.fromiter((h(mv[s: s + chunk_bytes]) for s in starts), dtype=np.uint64, count=len(starts))
+    (uint8, contiguous; offsets in bytes); see :func:`chunk_checksums`."""
+    return xxh3_at(host, starts, chunk_bytes)
 
 
 __all__ = ["checksums_at", "chunk_checksums", "gather_pages", "scatter_pages"]
