@@ -191,6 +191,12 @@ class SsdConfig(_WatermarkSection):
     preallocate: bool = Field(True, description="fallocate each file when it is first used")
     pool_id: Optional[str] = Field(
         None, description="fixed pool name of this server (letters, digits, '.', '_', '-'); None = a free slot")
+    write_backlog_bytes: int = Field(
+        0, ge=0, description="bytes of SSD rounds the write queue may hold while restores read (Tutti: reads "
+                             "first, writes in the gaps); 0 = no queue, rounds written synchronously by the put")
+    write_backlog_wait_s: float = Field(
+        5.0, ge=0, description="seconds a put of a non-one-shot round waits for room in a full write backlog "
+                               "(DRAM full too) before it fails")
 
     @model_validator(mode="before")
     @classmethod
@@ -199,9 +205,15 @@ class SsdConfig(_WatermarkSection):
         if not isinstance(data, Mapping):
             return data
         data = dict(data)
-        if "paths" in data:
-            raise ValueError("ssd.paths is derived: give the drives as a list in ssd.path")
         path = data.get("path")
+        derived = data.pop("paths", None)
+        if derived is not None:
+            # a dumped config (``model_dump()`` of an SsdConfig) carries both: keep the drive list
+            # while ``path`` is still its first entry; a changed ``path`` replaces the list
+            if path is None or not isinstance(derived, (list, tuple)):
+                raise ValueError("ssd.paths is derived: give the drives as a list in ssd.path")
+            if derived and path == derived[0]:
+                path = data["path"] = list(derived)
         if isinstance(path, (list, tuple)):
             if not path:
                 raise ValueError("ssd.path: an empty list (give one directory per drive, or leave it unset)")

@@ -343,3 +343,17 @@ def test_same_key_given_nested_and_dotted_with_different_values_is_an_error():
     with pytest.raises(ConfigError, match=r"ssd\.path: given twice"):
         load_config(None, {"ssd": {"path": "/tmp/x"}, "ssd.path": "/tmp/y"})
     assert load_config(None, {"ssd": {"path": "/tmp/x"}, "ssd.path": "/tmp/x"}).ssd.path == "/tmp/x"
+
+
+def test_a_dumped_config_with_several_drives_validates_again_and_a_changed_path_replaces_the_list():
+    """``model_dump()`` carries the derived ``ssd.paths``: validating it again keeps the drive
+    list; a dump whose ``ssd.path`` was changed (as the replay's ``--scale`` rewrites configs)
+    gets that one directory; ``ssd.paths`` alone is refused naming ``ssd.path``."""
+    cfg = load_config(None, {"ssd.path": ["/nvme0/fc", "/nvme1/fc"]})
+    dumped = cfg.model_dump()
+    assert FlatCakeConfig.model_validate(dumped).ssd.paths == ("/nvme0/fc", "/nvme1/fc")
+    dumped["ssd"]["path"] = "/elsewhere"
+    again = FlatCakeConfig.model_validate(dumped).ssd
+    assert (again.path, again.paths) == ("/elsewhere", ("/elsewhere",))
+    with pytest.raises(ConfigError, match="give the drives as a list in ssd.path"):
+        load_config(None, {"ssd": {"paths": ["/a"]}})
