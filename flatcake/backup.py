@@ -21,7 +21,12 @@ generation bumped); one that refuses writes (EIO, EROFS, EPERM) is taken out of 
 
 from __future__ import annotations
 
+from typing import Optional
+
+from flatcake.deferred_round import prepare_round, write_prepared
 from flatcake.errorlog import ErrorLog
+from flatcake.gva.address import MEDIUM_DRAM
+from flatcake.gva.placement import Placement, ReuseScope
 from flatcake.gva.scopes import ScopeTable
 from flatcake.layout import KvPageLayout, PageGeometry
 from flatcake.media import extent as fmt
@@ -30,6 +35,7 @@ from flatcake.media.ssd import REFUSED_ERRNOS, SsdFilePool
 from flatcake.read_path import ReadPath
 from flatcake.stats import StoreStats
 from flatcake.write_path import WritePath
+from flatcake.write_queue import WRITE_CHUNK_BYTES, QueuedRound, WriteQueue
 
 MAX_KEY_BYTES = 4096  # bytes of UTF-8 per page key (SGLang's are 64 hex characters)
 
@@ -71,6 +77,20 @@ class Backup:
         self.scopes, self.writer, self.reader, self.ssd = scopes, writer, reader, ssd
         self.geometry, self.max_round_pages, self.stats, self.errors = geometry, max_round_pages, stats, errors
         self._min_extent_bytes = fmt.round_layout(["k" * 64], geometry.layers, geometry.chunk_bytes).total_bytes + fmt.BLOCK
+        self.queue: Optional[WriteQueue] = None  # ssd.write_backlog_bytes > 0: SSD rounds are deferred
+        self.backlog_wait_s = 0.0
+        self.node = 0
+
+    def attach_queue(self, queue: WriteQueue, backlog_wait_s: float, node: int) -> None:
+        """Defer SSD rounds through ``queue`` (``docs/design.md``, "Write queue"); a round of a
+        scope other than one-shot waits up to ``backlog_wait_s`` seconds for room in a full
+        backlog (then the put fails). ``node``: the GVA node field of the entries."""
+        self.queue, self.backlog_wait_s, self.node = queue, backlog_wait_s, node
+
+    def stored(self, key: str) -> bool:
+        """True when ``key`` is published, or waits in the write queue (its bytes are kept)."""
+        q = self.queue
+        return (q is not None and q.contains(key)) or self.scopes.index.contains(key)
 
     def put(self, keys: list, layout: KvPageLayout, page_ids, prefix_keys, out: list[bool]) -> int:
         """Store pages ``keys[i]`` from page ``page_ids[i]`` of ``layout``, filling ``out``
@@ -97,7 +117,7 @@ class Backup:
     def _put_claimed(self, keys, mine: set, layout, page_ids, prefix_keys, out: list[bool]) -> int:
         todo, parent, seen, repeats, stored = [], None, set(), [], 0
         for i, k in enumerate(keys):
-            if self.scopes.index.contains(k):  # same key = same page bytes (chained hash)
+            if self.stored(k):  # same key = same page bytes (chained hash)
                 out[i] = True
                 continue
             if k in seen:  # given twice in one call: stored with its first copy
@@ -122,7 +142,7 @@ class Backup:
                 break
             parent = keys[part[-1]]
         for i in repeats:
-            out[i] = self.scopes.index.contains(keys[i])
+            out[i] = self.stored(keys[i])
         return stored
 
     def _put_round(self, keys, src_pages, layout, parent, context_tokens) -> int:
@@ -147,10 +167,19 @@ class Backup:
         if plc is None:
             self.stats.add(put_failures=1)
             return 0
+        if self.queue is not None and plc.slots is None:
+            return self._put_deferred(plc, layout, parent, context_tokens)
+        return self._write_and_commit(plc, lambda: self.writer.write(plc, layout), parent)
+
+    def _write_and_commit(self, plc, write, parent, op: str = "write") -> int:
+        """Write round ``plc`` (``write()`` returns its entries), then commit it; on a fault or
+        a refused commit abort it (the space goes back) and count a failed put. Returns the
+        pages published (``len(plc.keys)`` or 0)."""
+        keys = plc.keys
         try:
-            entries = self.writer.write(plc, layout)
+            entries = write()
         except Exception as e:
-            self.errors("write", e)
+            self.errors(op, e)
             with self.scopes.lock:
                 self.scopes.abort_locked(plc)
             self.scopes.release(plc)
@@ -176,6 +205,116 @@ class Backup:
         self.stats.add(logical_write_bytes=len(keys) * self.geometry.page_bytes)
         self.scopes.reclaim_if_needed(exclude=plc.scope)
         return len(keys)
+
+    # ------------------------------------------------------------------ deferred SSD rounds
+    def _put_deferred(self, plc: Placement, layout, parent, context_tokens: int) -> int:
+        """Queue SSD round ``plc`` (Tutti: written later, in a gap between restores). A full
+        backlog first moves the round to DRAM (if it has room), else drops a one-shot round
+        whole (counted; the put of those pages fails, nothing stored is touched), else waits up
+        to ``backlog_wait_s`` for room (then the put fails). Returns pages stored (queued)."""
+        q, n = self.queue, len(plc.keys)
+        if not q.has_room(plc.layout.total_bytes):
+            with self.scopes.lock:
+                dram = self._to_dram_locked(plc)
+            if dram is not None:
+                self.stats.add(write_backlog_dram_rounds=1)
+                return self._write_and_commit(dram, lambda: self.writer.write(dram, layout), parent)
+            if self._one_shot(plc, context_tokens):
+                self._give_back(plc)
+                self.stats.add(write_backlog_dropped_rounds=1, write_backlog_dropped_pages=n)
+                return 0
+            if not q.wait_for_room(plc.layout.total_bytes, self.backlog_wait_s):
+                self._give_back(plc)
+                self.stats.add(write_backlog_full_failures=1, put_failures=1)
+                self.errors.report("put", "write backlog full", f"no room in ssd.write_backlog_bytes="
+                                   f"{q.backlog_limit} within {self.backlog_wait_s} s; the put fails")
+                return 0
+        try:
+            prep = prepare_round(plc, layout, self.geometry, self.writer.namespace, self.node)
+        except Exception as e:
+            self.errors("write", e)
+            self._give_back(plc)
+            self.stats.add(put_failures=1)
+            return 0
+        scope = plc.scope
+        with self.scopes.lock:  # the session's next round joins this scope while this one waits
+            if scope.tail_key is None or scope.tail_key == parent:
+                self.scopes.index.set_tail_locked(scope, plc.keys[-1])
+            queued = q.submit(QueuedRound(plc, parent, prep))
+        if not queued:  # closing
+            self._give_back(plc)
+            return 0
+        self.stats.add(queued_rounds=1)
+        return n
+
+    def _one_shot(self, plc: Placement, context_tokens: int) -> bool:
+        """True for a round of the one-shot row of Table 2: its scope was opened as one-shot,
+        or as overflow (DRAM full) while the signals say turn 1, context below ``L_agent`` and
+        reply below ``tau``. (The prefix reference count was consumed by the placement: an
+        overflowing turn-1 shared prompt counts as one-shot here.)"""
+        scope, pc = plc.scope, self.scopes.cfg.placement
+        if scope.reuse == ReuseScope.ONE_SHOT:
+            return True
+        reply = scope.cur_turn_tokens + len(plc.keys) * self.geometry.page_size
+        return scope.reuse == ReuseScope.OVERFLOW and scope.turn <= 1 and context_tokens < pc.l_agent_tokens \
+            and reply < pc.tau_tokens
+
+    def _to_dram_locked(self, plc: Placement) -> Optional[Placement]:
+        """SSD placement ``plc`` given back and the round placed in a new DRAM scope (same
+        reuse class and turn), or ``None`` (``plc`` untouched) when DRAM has no room."""
+        n = len(plc.keys)
+        dram = self.scopes.dram
+        if dram.n_slots == 0 or dram.free_slots < n:
+            return None
+        slots = dram.allocate_locked(n)
+        if slots is None:
+            return None
+        old = plc.scope
+        self.scopes.abort_locked(plc)
+        self.scopes.release(plc)
+        scope = self.scopes.index.open_scope_locked(MEDIUM_DRAM, old.reuse, old.turn, old.prev_turn_tokens)
+        scope.try_acquire()
+        scope.slots.extend(slots)
+        scope.nbytes += n * self.geometry.page_bytes
+        return Placement(scope, list(plc.keys), list(plc.src_pages), slots=slots)
+
+    def _give_back(self, plc: Placement) -> None:
+        """Abort ``plc`` (its space goes back) and unpin its scope."""
+        with self.scopes.lock:
+            self.scopes.abort_locked(plc)
+        self.scopes.release(plc)
+
+    def complete_queued(self, job: QueuedRound) -> None:
+        """Writer thread: write queued round ``job`` (pausing between chunks while restores
+        are in flight), then publish its SSD entries. A fault makes it a failed put after the
+        fact: nothing published, its pages leave the queue (misses from then on), counted
+        (``deferred_write_failures``), logged once with the errno (op ``deferred write``)."""
+        plc = job.plc
+        done = self._write_and_commit(
+            plc, lambda: write_prepared(job.prepared, self.ssd, self.node, self.stats, WRITE_CHUNK_BYTES,
+                                        self.queue.pause_for_reads), job.parent, op="deferred write")
+        if done == 0:
+            self.stats.add(deferred_write_failures=1, deferred_write_failed_pages=len(plc.keys))
+            self._untail(job)
+
+    def drop_queued(self, job: QueuedRound) -> None:
+        """A queued round that will not be written (its scope was dropped or cleared, or the
+        store closed before it was drained): its space goes back, nothing is published or
+        journaled. Counted (``write_backlog_discarded_rounds``)."""
+        self._give_back(job.plc)
+        self._untail(job)
+        self.stats.add(write_backlog_discarded_rounds=1)
+
+    def _untail(self, job: QueuedRound) -> None:
+        """The session's tail goes back to ``job``'s parent when ``job`` was its last round
+        and the parent is a page of the same scope (the next round can still join it)."""
+        scope, parent = job.plc.scope, job.parent
+        with self.scopes.lock:
+            if scope.retired or scope.tail_key != job.keys[-1]:
+                return
+            pe = self.scopes.index.get(parent) if parent is not None else None
+            if pe is not None and pe.scope is scope:
+                self.scopes.index.set_tail_locked(scope, parent)
 
     def _on_pool_file_gone(self, file_index: int) -> None:
         """Pool file ``file_index`` was removed behind the backend: drop every scope with an

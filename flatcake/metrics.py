@@ -64,6 +64,12 @@ _COUNTERS = {
     "io_errors": ("I/O errors logged (each counted, logged once per errno).", [("io_errors", ())], ()),
     "checksum_failures": ("Chunks whose checksum or DRAM identity did not match on read.",
                           [("checksum_failures", ())], ()),
+    "write_deferred_seconds": ("Seconds the SSD write queue held writes back while restores were in flight.",
+                               [("write_deferred_s", ())], ()),
+    "write_backlog_dropped_pages": ("One-shot pages not stored because the write backlog and DRAM were full.",
+                                    [("write_backlog_dropped_pages", ())], ()),
+    "deferred_write_failures": ("Queued SSD rounds whose write failed after the put returned.",
+                                [("deferred_write_failures", ())], ()),
 }
 
 # gauge name -> (help, extra label names)
@@ -80,6 +86,10 @@ _GAUGES = {
                         ("drive", "path", "state")),
     "pages_indexed": ("Pages the store currently serves.", ()),
     "scopes": ("Scopes the store currently holds.", ()),
+    "write_backlog_pages": ("Pages waiting in the SSD write queue (served from memory).", ()),
+    "write_backlog_bytes": ("Bytes of SSD rounds waiting in the write queue.", ()),
+    "ssd_write_bytes_per_hour": ("SSD bytes written per hour since the store opened.", ()),
+    "ssd_dwpd": ("Projected SSD drive writes per day at the current write rate, for the configured capacity.", ()),
 }
 
 _families: dict = {}  # id(registry) -> (registry, {name: metric}): one set of families per registry
@@ -160,7 +170,8 @@ class FlatCakeMetrics:
             if medium == "ssd":
                 fams["ssd_files_out_of_service"].labels(*lab).set(len(st.get("files_out_of_service", ())))
                 self._update_drives(st.get("drives", ()))
-        for name in ("pages_indexed", "scopes"):
+        for name in ("pages_indexed", "scopes", "write_backlog_pages", "write_backlog_bytes",
+                     "ssd_write_bytes_per_hour", "ssd_dwpd"):
             if name in snap:
                 fams[name].labels(*lab).set(snap[name])
 

@@ -29,6 +29,7 @@ from flatcake.layout import KvPageLayout, PageGeometry
 from flatcake.media.dram import DramRegion
 from flatcake.media.ssd import SsdFilePool
 from flatcake.stats import StoreStats
+from flatcake.write_queue import MEDIUM_QUEUED
 
 
 class ReadPath:
@@ -57,6 +58,9 @@ class ReadPath:
         self.file_bytes = ssd.file_bytes
         self.verify = verify
         self.stats = stats
+        #: the SSD write queue (:class:`~flatcake.write_queue.WriteQueue`) or None: SSD restores
+        #: are marked in flight on it (writes wait for the gap) and its pages are read from memory
+        self.queue = None
 
     def read(self, keys: Sequence[str], entries: Sequence[PageEntry], layout: KvPageLayout,
              page_ids: Sequence[int]) -> int:
@@ -82,10 +86,17 @@ class ReadPath:
         n = len(entries)
         media = [medium_of(e.gva) for e in entries]
         dram_pos = [i for i, m in enumerate(media) if m == MEDIUM_DRAM]
-        ssd_pos = [i for i, m in enumerate(media) if m != MEDIUM_DRAM]
+        ssd_pos = [i for i, m in enumerate(media) if m == MEDIUM_SSD]
+        queued_pos = [i for i, m in enumerate(media) if m == MEDIUM_QUEUED]
         good = n
         if ssd_pos:
-            good = min(good, self._read_ssd(entries, ssd_pos, layout, page_ids))
+            if self.queue is not None:
+                with self.queue.reading():  # writes not yet issued wait for the gap after it
+                    good = min(good, self._read_ssd(entries, ssd_pos, layout, page_ids))
+            else:
+                good = min(good, self._read_ssd(entries, ssd_pos, layout, page_ids))
+        if queued_pos:
+            self._copy_queued(entries, [i for i in queued_pos if i < good], layout, page_ids)
         pos = [i for i in dram_pos if i < good]
         if pos:
             good = min(good, self._check_dram(keys, entries, pos))
@@ -94,8 +105,24 @@ class ReadPath:
             self._copy_dram(entries, pos, layout, page_ids)
         ssd_hits = sum(1 for i in ssd_pos if i < good)
         self.stats.add(hit_pages_dram=len(pos), hit_pages_ssd=ssd_hits,
-                       logical_read_bytes_ssd=ssd_hits * g.page_bytes)
+                       logical_read_bytes_ssd=ssd_hits * g.page_bytes,
+                       queued_hit_pages=sum(1 for i in queued_pos if i < good))
         return good
+
+    def _copy_queued(self, entries, pos: list[int], layout: KvPageLayout, page_ids) -> None:
+        """Copy pages still in the write queue (:class:`~flatcake.write_queue.QueuedPage`) from
+        their round's in-memory copy into the layout, round by round, layer by layer."""
+        by_job: dict = {}
+        for i in pos:
+            by_job.setdefault(id(entries[i].job), []).append(i)
+        for idx in by_job.values():
+            job = entries[idx[0]].job
+            dst = torch.tensor([int(page_ids[i]) for i in idx], dtype=torch.long)
+            for layer in range(self.geometry.layers):
+                rows = job.chunks(layer, [entries[i].pos for i in idx])
+                if rows.device != layout.device:
+                    rows = rows.to(layout.device)
+                scatter_pages(layout, rows, dst, layer)
 
     def _slot(self, e: PageEntry) -> int:
         return (e.gva & OFFSET_MASK) // self.geometry.page_bytes

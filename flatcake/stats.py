@@ -34,6 +34,18 @@ class StoreStats:
         reclaimed_scopes_ssd, reclaimed_scopes_dram: whole scopes freed (reclaim, clear, faults).
         reclaimed_bytes: medium bytes those scopes held.
         quarantined_scopes: scopes dropped because a page of theirs failed to read intact.
+        queued_rounds: SSD rounds deferred through the write queue (``ssd.write_backlog_bytes``).
+        queued_hit_pages: pages delivered from the write queue's in-memory copy.
+        write_deferred_s: seconds the queue's writer held writes back while restores were in flight.
+        deferred_write_failures, deferred_write_failed_pages: queued rounds (and their pages)
+            whose write or commit failed after the put had returned (failed puts after the fact).
+        write_backlog_dram_rounds: rounds placed on DRAM instead because the backlog was full.
+        write_backlog_dropped_rounds, write_backlog_dropped_pages: one-shot rounds (pages) not
+            stored because the backlog was full and DRAM had no room.
+        write_backlog_full_failures: puts of other scopes that found no room within
+            ``ssd.write_backlog_wait_s`` seconds.
+        write_backlog_discarded_rounds: queued rounds never written (scope dropped or cleared,
+            store closed before they were drained).
     """
 
     hit_pages_dram: int = 0
@@ -57,6 +69,16 @@ class StoreStats:
     reclaimed_scopes_dram: int = 0
     reclaimed_bytes: int = 0
     quarantined_scopes: int = 0
+    queued_rounds: int = 0
+    queued_hit_pages: int = 0
+    write_deferred_s: float = 0.0
+    deferred_write_failures: int = 0
+    deferred_write_failed_pages: int = 0
+    write_backlog_dram_rounds: int = 0
+    write_backlog_dropped_rounds: int = 0
+    write_backlog_dropped_pages: int = 0
+    write_backlog_full_failures: int = 0
+    write_backlog_discarded_rounds: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def add(self, **deltas: float) -> None:
@@ -75,3 +97,12 @@ class StoreStats:
         """A consistent copy of every counter as a plain dict."""
         with self._lock:
             return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if not f.name.startswith("_")}
+
+
+def write_rates(ssd_write_bytes: int, elapsed_s: float, capacity_bytes: int) -> dict:
+    """Write-endurance view of ``ssd_write_bytes`` written over ``elapsed_s`` seconds:
+    ``ssd_write_bytes_per_hour`` (bytes/h) and ``ssd_dwpd`` (projected drive writes per day:
+    bytes per day / ``capacity_bytes``, the configured SSD capacity; 0.0 when either is 0)."""
+    per_s = ssd_write_bytes / elapsed_s if elapsed_s > 0 else 0.0
+    return {"ssd_write_bytes_per_hour": per_s * 3600.0,
+            "ssd_dwpd": per_s * 86400.0 / capacity_bytes if capacity_bytes > 0 else 0.0}

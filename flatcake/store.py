@@ -28,6 +28,7 @@ Lifecycle of a read (:meth:`PageStore.get`)::
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -44,8 +45,9 @@ from flatcake.layout import KvPageLayout, PageGeometry
 from flatcake.media.dram import DramRegion
 from flatcake.media.ssd import SsdFilePool
 from flatcake.read_path import ReadPath
-from flatcake.stats import StoreStats
+from flatcake.stats import StoreStats, write_rates
 from flatcake.write_path import WritePath, max_round_pages
+from flatcake.write_queue import WriteQueue
 
 log = logging.getLogger("flatcake.store")
 
@@ -133,7 +135,8 @@ class PageStore:
         self.instance = instance  # pool-name component (the v2 adapter opens extra pools with it)
         self.stats = StoreStats()
         self.errors = ErrorLog(log)
-        self.dram = self.ssd = self.cio = self._journal = self.mirror = None
+        self.dram = self.ssd = self.cio = self._journal = self.mirror = self.queue = None
+        self._opened_s = time.monotonic()
         self.rebuilt = RebuildReport()
         self._gate = OperationGate()
         try:
@@ -186,12 +189,17 @@ class PageStore:
         self.ssd.add_forget_listener(self.reader.forget_file)  # a file leaving/re-entering service with its drive
         self.backup = Backup(self.scopes, self.writer, self.reader, self.ssd, g, self.max_round_pages, self.stats,
                              self.errors)
+        if cfg.ssd.write_backlog_bytes > 0 and role != "follower":  # reads first, writes in the gaps
+            self.queue = WriteQueue(cfg.ssd.write_backlog_bytes, self.backup.complete_queued, self.backup.drop_queued,
+                                    self.stats, self.errors, cfg.node_id)
+            self.backup.attach_queue(self.queue, cfg.ssd.write_backlog_wait_s, cfg.node_id)
+            self.reader.queue = self.queue
 
     # ================================================================ queries
     def exists(self, key: str) -> bool:
         """True if ``key`` is published (lock-free). Never raises (an unusable key is absent)."""
         try:
-            return self.index.contains(key)
+            return (self.queue is not None and self.queue.contains(key)) or self.index.contains(key)
         except TypeError:
             return False
 
@@ -203,10 +211,10 @@ class PageStore:
         try:
             self._sync()
             keys = list(keys)
-            get = self.index.get
+            get, queued = self.index.get, (self.queue.contains if self.queue is not None else lambda k: False)
             n = 0
             for k in keys:
-                if get(k) is None:
+                if not queued(k) and get(k) is None:  # the queue first: a round leaves it once published
                     break
                 n += 1
         except Exception as e:  # an unusable key list: nothing is stored under it
@@ -221,13 +229,14 @@ class PageStore:
     def page_info(self, key: str) -> Optional[PageInfo]:
         """Where ``key``'s page lives, or ``None`` if it is not stored (lock-free, never raises)."""
         try:
-            e = self.index.get(key)
+            e = (self.queue.lookup(key) if self.queue is not None else None) or self.index.get(key)
         except TypeError:
             return None
         if e is None:
             return None
         s = e.scope
-        return PageInfo(e.gva, MEDIUM_NAMES[medium_of(e.gva)], s.scope_id, s.reuse.value, s.turn, self.reader.file_of(e))
+        medium = MEDIUM_NAMES.get(medium_of(e.gva), "queued")  # queued: in the write queue, not yet on disk
+        return PageInfo(e.gva, medium, s.scope_id, s.reuse.value, s.turn, self.reader.file_of(e))
 
     def medium_of(self, key: str) -> Optional[str]:
         """``"dram"`` or ``"ssd"`` for a stored key, ``None`` otherwise (lock-free)."""
@@ -239,8 +248,8 @@ class PageStore:
         raises; a key not stored counts on neither medium). Used after a hit query to put a
         request's prefetch in FC-MAS's DRAM or SSD lane (paper §3.2)."""
         media = tuple(self.medium_of(k) for k in keys)
-        ssd = media.count("ssd")
-        return MediumSummary(media.count("dram"), ssd, ssd * self.geometry.page_bytes, media)
+        ssd = media.count("ssd")  # a page in the write queue is read from memory: DRAM lane
+        return MediumSummary(media.count("dram") + media.count("queued"), ssd, ssd * self.geometry.page_bytes, media)
 
     # ================================================================ reads
     def get(self, keys: Sequence[str], layout: KvPageLayout, page_ids: Sequence[int]) -> list[bool]:
@@ -274,7 +283,8 @@ class PageStore:
         entries: list = []
         unreadable = None
         try:
-            entries = self.scopes.pin_leading_run(keys)
+            entries = (self.queue.pin_leading_run(keys, self.index) if self.queue is not None
+                       else self.scopes.pin_leading_run(keys))
             if not entries:
                 return out
             good = self.reader.read(keys, entries, layout, page_ids)
@@ -392,6 +402,8 @@ class PageStore:
             return
         try:
             self.scopes.clear()
+            if self.queue is not None:  # queued rounds of the cleared scopes are never written
+                self.queue.discard_dead()
         except Exception as e:
             self.errors("clear", e)
         finally:
@@ -415,6 +427,9 @@ class PageStore:
             errors=self.errors.counts(),
             checksum_failures=self.errors.count_of("verify", "checksum") + self.errors.count_of("verify", "dram identity"),
             pages_rebuilt=self.rebuilt.pages,
+            **(self.queue.snapshot() if self.queue is not None else
+               {"write_backlog_pages": 0, "write_backlog_bytes": 0, "write_backlog_limit_bytes": 0, "reads_in_flight": 0}),
+            **write_rates(d["ssd_write_bytes"], time.monotonic() - self._opened_s, self.ssd.configured_capacity_bytes),
             rebuild_s=self.rebuilt.seconds,
             cio_engine=getattr(self.cio, "engine_name", "?"),
             media={"dram": self.dram.state(), "ssd": self.ssd.state()},
@@ -443,6 +458,10 @@ class PageStore:
             # engine's daemon threads and the files to process exit instead.
             log.warning("flatcake close: operations still running after %.0f s; leaving I/O resources to exit", timeout_s)
             return
+        if self.queue is not None:  # drain the queued rounds (no reads any more), drop what is left
+            dropped = self.queue.close(timeout_s)
+            if dropped:
+                log.warning("flatcake close: %d queued rounds not written in %.0f s were dropped", dropped, timeout_s)
         self._release_resources()
 
     def _release_resources(self) -> None:

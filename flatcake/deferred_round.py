@@ -1,0 +1,142 @@
+"""A deferred SSD round: its bytes prepared in the backup thread, written later by the write
+queue's writer thread (``docs/design.md``, "Write queue"; Tutti, design notes §3).
+
+The on-disk result is the one :class:`~flatcake.write_path.WritePath` produces for the same
+placement (``docs/durability.md``): [extent header] | round header | layer-major data |
+record, the record written only after the data. What differs is *when* and *in what pieces*:
+
+* :func:`prepare_round` (backup thread, no lock, no I/O) gathers the round's pages from the
+  host pool into a buffer of its own (the host pool may reuse its pages once the put returns),
+  computes the per-chunk xxh3-64 and packs header and record. That buffer is also the
+  in-memory copy the queue serves the round's pages from until they are on disk.
+* :func:`write_prepared` (writer thread) writes it in chunks of at most ``chunk_bytes``,
+  calling ``between()`` before each chunk after the first (the queue pauses there while a
+  restore read is in flight), then the record, and returns the index entries to publish.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+
+from flatcake.cio.pagecopy import chunk_checksums, gather_pages
+from flatcake.gva.address import MEDIUM_SSD, encode_gva
+from flatcake.gva.index import PageEntry
+from flatcake.layout import KvPageLayout, PageGeometry
+from flatcake.media import extent as fmt
+from flatcake.media.directio import AlignedBuffer
+
+
+@dataclass(eq=False)
+class PreparedRound:
+    """The bytes of one SSD round, ready to write.
+
+    Attributes:
+        plc: the round's placement (SSD).
+        buf: the page-aligned buffer that owns the bytes (``layout.total_bytes``).
+        sums: uint64 ``[layers, n]`` xxh3-64 of every chunk.
+        chunk_bytes: bytes of one (page, layer) chunk.
+        extent_header: the 4 KiB extent header block when the round opens an extent, else None.
+    """
+
+    plc: object
+    buf: AlignedBuffer
+    sums: np.ndarray
+    chunk_bytes: int
+    extent_header: Optional[bytes] = None
+
+    @property
+    def layout(self):
+        """The round's :class:`~flatcake.media.extent.RoundLayout`."""
+        return self.plc.layout
+
+    def view(self) -> memoryview:
+        """The whole round (``layout.total_bytes``)."""
+        return self.buf.reserve(self.layout.total_bytes)
+
+    def data(self) -> np.ndarray:
+        """uint8 ``[layers, n, chunk_bytes]`` view of the layer-major page data."""
+        lay = self.layout
+        n = lay.n_pages
+        L = self.sums.shape[0]
+        arr = np.frombuffer(self.view(), dtype=np.uint8, count=L * n * self.chunk_bytes, offset=fmt.BLOCK)
+        return arr.reshape(L, n, self.chunk_bytes)
+
+
+def prepare_round(plc, layout: KvPageLayout, geometry: PageGeometry, namespace: str, node: int) -> PreparedRound:
+    """Gather round ``plc`` (SSD placement) from ``layout`` into a new aligned buffer: round
+    header, layer-major data (one vectorized copy per layer), zero padding, record.
+
+    Raises:
+        IndexError, RuntimeError: source pages outside ``layout`` (a caller bug).
+        OSError: the buffer cannot be mapped (``ENOMEM``).
+    """
+    g, lay = geometry, plc.layout
+    n, cb, L = lay.n_pages, geometry.chunk_bytes, geometry.layers
+    buf = AlignedBuffer(lay.total_bytes)
+    view = buf.reserve(lay.total_bytes)
+    arr = np.frombuffer(view, dtype=np.uint8, count=lay.total_bytes)
+    view[: fmt.BLOCK] = fmt.pack_round_header(lay, plc.seq, plc.scope.scope_id, plc.nonce)
+    data_end = fmt.BLOCK + L * n * cb
+    data = torch.from_numpy(arr[fmt.BLOCK: data_end]).view(L, n, cb)
+    src = np.asarray(plc.src_pages, dtype=np.int64)
+    for layer in range(L):
+        if layout.device.type == "cpu":
+            gather_pages(layout, src, layer, data[layer])
+        else:
+            tmp = torch.empty((n, cb), dtype=torch.uint8, device=layout.device)
+            gather_pages(layout, src, layer, tmp)
+            data[layer].copy_(tmp)
+    sums = chunk_checksums(arr[fmt.BLOCK: data_end], cb).reshape(L, n)
+    arr[data_end: lay.record_offset] = 0
+    rec = fmt.pack_record(namespace, plc.keys, g.layers, cb, sums, plc.scope.scope_id, plc.seq, plc.nonce)
+    arr[lay.record_offset: lay.record_offset + len(rec)] = np.frombuffer(rec, dtype=np.uint8)
+    arr[lay.record_offset + len(rec): lay.total_bytes] = 0
+    eh = None
+    if plc.new_extent is not None:
+        eh = fmt.pack_extent_header(namespace, node, plc.scope.scope_id, plc.extent_seq, plc.new_extent.nbytes)
+    return PreparedRound(plc, buf, sums, cb, eh)
+
+
+def write_prepared(prep: PreparedRound, ssd, node: int, stats, chunk_bytes: int,
+                   between: Optional[Callable[[], None]] = None) -> list[PageEntry]:
+    """Write ``prep`` to its reserved space: extent header (if any), header | data in pieces of
+    at most ``chunk_bytes`` (a multiple of 4096) with ``between()`` before each piece after the
+    first, then the record (only now does the round exist on disk).
+
+    Returns:
+        One :class:`~flatcake.gva.index.PageEntry` per page, as the write path returns them.
+
+    Raises:
+        OSError: a write failed (``PoolFileGone``, ``StaleGeneration``, ``ShortWrite``, ...).
+    """
+    plc, lay = prep.plc, prep.layout
+    ops = 0
+    if prep.extent_header is not None:
+        hb = AlignedBuffer(fmt.BLOCK)
+        hv = hb.reserve(fmt.BLOCK)
+        hv[:] = prep.extent_header
+        ssd.write(plc.new_extent.file_index, plc.new_extent.offset, hv[: fmt.BLOCK], plc.generation)
+        stats.add(ssd_write_bytes=fmt.BLOCK, ssd_write_ops=1)
+    view = prep.view()
+    for off in range(0, lay.record_offset, chunk_bytes):
+        if off and between is not None:
+            between()
+        end = min(lay.record_offset, off + chunk_bytes)
+        ssd.write(plc.extent_file, plc.round_offset + off, view[off:end], plc.generation)
+        ops += 1
+    if between is not None:
+        between()
+    ssd.write(plc.extent_file, plc.round_offset + lay.record_offset, view[lay.record_offset: lay.total_bytes],
+              plc.generation)
+    n, cb = lay.n_pages, prep.chunk_bytes
+    stats.add(ssd_write_bytes=lay.total_bytes, ssd_write_ops=ops + 1, pages_written_ssd=n)
+    base_off = plc.extent_file * ssd.file_bytes + plc.round_offset + fmt.BLOCK
+    return [PageEntry(encode_gva(MEDIUM_SSD, node, base_off + p * cb), plc.scope, n * cb, prep.sums[:, p].copy(),
+                      generation=plc.generation) for p in range(n)]
+
+
+__all__ = ["PreparedRound", "prepare_round", "write_prepared"]

@@ -1,0 +1,343 @@
+"""Reads first, writes in the gaps: the SSD write queue (Tutti, design notes §3; ``docs/design.md``,
+"Write queue").
+
+Concurrent reads and writes on one NVMe drive cut its aggregate bandwidth sharply, and a
+restore is on a request's critical path while a write-back is not. With
+``ssd.write_backlog_bytes > 0`` an SSD round is not written by SGLang's backup thread: the
+backup thread gathers the round into its own aligned buffer (header | layer-major data |
+record, exactly the bytes that go to disk) and queues it; one writer thread writes queued
+rounds, oldest first, whole, only while no restore read is in flight.
+
+Lifecycle of a queued round::
+
+    backup thread    place (SSD space reserved, scope pinned) -> gather into its own buffer
+                     -> submit: its pages are hits from now on, served from the buffer
+    writer thread    wait until no restore is in flight -> pwrite the round in chunks of
+                     WRITE_CHUNK_BYTES, pausing between chunks while a restore is in flight
+                     -> commit (journal ROUND entry, publish the SSD entries) | abort
+                     -> the round leaves the queue (its pages are read from SSD from now on)
+
+A read never waits for the queue: it only bumps a counter (:meth:`WriteQueue.reads_begin`).
+A write already issued (one chunk at most) finishes; the next chunk waits for the gap.
+
+The SSD index entry of a page is published only after its round is on disk (publish after
+write); before that the page is served from :class:`QueuedPage` (GVA medium
+:data:`MEDIUM_QUEUED`, never stored in the index nor on disk). A queued round pins its scope,
+so reclaim skips the scope; a scope dropped or cleared while its round waits is not written
+(its pages stop being served at once).
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+import torch
+
+from flatcake.gva.address import encode_gva
+
+#: GVA medium code of a page served from the write queue's buffer (in-memory copy of a round not
+#: yet on disk). Never published in the index, never journaled.
+MEDIUM_QUEUED = 2
+
+#: bytes of one write call the writer thread issues at most; a read that arrives during a
+#: deferred round waits for one such chunk at most
+WRITE_CHUNK_BYTES = 8 << 20
+
+
+@dataclass(eq=False)
+class QueuedRound:
+    """One SSD round waiting in the queue.
+
+    Attributes:
+        plc: its :class:`~flatcake.gva.placement.Placement` (SSD space reserved, scope pinned).
+        parent: the key before its first page (``None`` at the root), for the commit.
+        prepared: the round's bytes (:class:`~flatcake.write_path.PreparedRound`).
+        enqueued_s: ``time.monotonic()`` when it was queued.
+    """
+
+    plc: object
+    parent: Optional[str]
+    prepared: object
+    enqueued_s: float = 0.0
+
+    @property
+    def keys(self) -> list:
+        """The round's page keys, in order."""
+        return self.plc.keys
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the round writes (header, data and record)."""
+        return self.prepared.layout.total_bytes
+
+    @property
+    def alive(self) -> bool:
+        """False once its scope was dropped, cleared or retired (the round is not written)."""
+        s = self.plc.scope
+        return not (s.doomed or s.retired)
+
+    def chunks(self, layer: int, positions: Sequence[int]) -> torch.Tensor:
+        """uint8 ``[len(positions), chunk_bytes]``: layer ``layer`` of the round's pages at
+        ``positions``, copied from the queued buffer (bit-exact with what goes to disk)."""
+        data = self.prepared.data()  # [layers, n, chunk_bytes]
+        return torch.from_numpy(np.ascontiguousarray(data[layer, np.asarray(positions, dtype=np.int64)]))
+
+
+@dataclass(frozen=True, slots=True)
+class QueuedPage:
+    """Index-entry stand-in for a page whose round waits in the queue (duck-types
+    :class:`~flatcake.gva.index.PageEntry` for the read path: ``gva`` medium
+    :data:`MEDIUM_QUEUED`, ``scope`` pinned by the reader like any entry)."""
+
+    gva: int
+    scope: object
+    job: QueuedRound
+    pos: int
+    layer_stride: int = 0
+    checksums: object = None
+    verify: bool = False
+    generation: int = 0
+
+
+class WriteQueue:
+    """Holds SSD rounds while restores are in flight; one writer thread drains them in the gaps.
+
+    Args:
+        backlog_bytes: bytes of queued rounds at most (``ssd.write_backlog_bytes``, > 0); a
+            round larger than the bound is still taken when the queue is empty.
+        complete: ``complete(job)`` writes and commits (or aborts) a round; runs on the writer
+            thread, must not raise (anything it raises is logged once and the round is lost).
+        drop: ``drop(job)`` aborts a round that will not be written (scope gone, close).
+        stats: the store's :class:`~flatcake.stats.StoreStats` (``write_deferred_s``).
+        errors: the store's error-once log.
+        node: GVA node field of :class:`QueuedPage` addresses.
+    """
+
+    def __init__(self, backlog_bytes: int, complete: Callable, drop: Callable, stats, errors, node: int = 0):
+        if backlog_bytes <= 0:
+            raise ValueError("backlog_bytes must be > 0 (0 means: no queue, synchronous writes)")
+        self.backlog_limit = backlog_bytes
+        self._complete, self._drop, self.stats, self.errors, self.node = complete, drop, stats, errors, node
+        self._cond = threading.Condition()
+        self._jobs: collections.deque[QueuedRound] = collections.deque()
+        self._pending: dict[str, tuple[QueuedRound, int]] = {}
+        self._bytes = self._pages = self._readers = 0
+        self._in_flight: Optional[QueuedRound] = None
+        self._closing = self._stopped = False
+        self._thread: Optional[threading.Thread] = None
+        #: True while the writer thread has a round to write and waits for restores to end
+        self.writer_held = False
+
+    # ================================================================ reads
+    def reads_begin(self) -> None:
+        """A restore read starts (or waits for a staging window): hold writes not yet issued."""
+        with self._cond:
+            self._readers += 1
+
+    def reads_end(self) -> None:
+        """A restore read ended; writes drain once no read is in flight."""
+        with self._cond:
+            self._readers -= 1
+            if not self._readers:
+                self._cond.notify_all()
+
+    @contextmanager
+    def reading(self):
+        """``with queue.reading(): restore(...)``: :meth:`reads_begin` / :meth:`reads_end`."""
+        self.reads_begin()
+        try:
+            yield
+        finally:
+            self.reads_end()
+
+    @property
+    def reads_in_flight(self) -> int:
+        """Restore reads in flight now."""
+        return self._readers
+
+    # ================================================================ lookups (lock-free)
+    def contains(self, key: str) -> bool:
+        """True while ``key``'s page waits in the queue and its scope is live."""
+        got = self._pending.get(key)
+        return got is not None and got[0].alive
+
+    def lookup(self, key: str) -> Optional[QueuedPage]:
+        """The :class:`QueuedPage` of ``key`` while its round waits (scope live), else ``None``."""
+        got = self._pending.get(key)
+        if got is None or not got[0].alive:
+            return None
+        job, pos = got
+        return QueuedPage(encode_gva(MEDIUM_QUEUED, self.node, pos), job.plc.scope, job, pos)
+
+    def pin_leading_run(self, keys: Sequence[str], index) -> list:
+        """The leading run of stored ``keys``, each pinned (like
+        :meth:`~flatcake.gva.scopes.ScopeTable.pin_leading_run`): a page waiting in the queue
+        as a :class:`QueuedPage`, else its published index entry. The queue is asked first: a
+        round leaves it only after its SSD entries are published, so a page moving to disk
+        is never missed."""
+        out: list = []
+        get = index.get
+        for k in keys:
+            e = self.lookup(k) or get(k)
+            if e is None or not e.scope.try_acquire():
+                break
+            out.append(e)
+        return out
+
+    # ================================================================ backup thread
+    def has_room(self, nbytes: int) -> bool:
+        """True when a round of ``nbytes`` fits under the backlog bound (or the queue is empty)."""
+        with self._cond:
+            return not self._closing and (not self._jobs or self._bytes + nbytes <= self.backlog_limit)
+
+    def wait_for_room(self, nbytes: int, timeout_s: float) -> bool:
+        """Block until :meth:`has_room` (True) or ``timeout_s`` seconds passed / the queue
+        closed (False)."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while not self._closing and self._jobs and self._bytes + nbytes > self.backlog_limit:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(left)
+            return not self._closing
+
+    def submit(self, job: QueuedRound) -> bool:
+        """Queue ``job``: its pages are served from its buffer from now on. False (nothing
+        queued) once the queue is closing."""
+        with self._cond:
+            if self._closing:
+                return False
+            job.enqueued_s = time.monotonic()
+            self._jobs.append(job)
+            for i, k in enumerate(job.keys):
+                self._pending[k] = (job, i)
+            self._bytes += job.nbytes
+            self._pages += len(job.keys)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="flatcake-writer", daemon=True)
+                self._thread.start()
+            self._cond.notify_all()
+        return True
+
+    # ================================================================ writer thread
+    def pause_for_reads(self) -> None:
+        """Called by the writer between two chunks of a round: wait while a restore is in
+        flight (the time counts as deferred)."""
+        with self._cond:
+            self._hold_locked(lambda: self._readers and not self._closing)
+
+    def _hold_locked(self, held: Callable[[], bool]) -> None:
+        t0 = None
+        while held():
+            t0 = t0 or time.monotonic()
+            self.writer_held = True
+            self._cond.wait()
+        self.writer_held = False
+        if t0 is not None:
+            self.stats.add(write_deferred_s=time.monotonic() - t0)
+
+    def _next_locked(self) -> Optional[QueuedRound]:
+        while not self._stopped and not self._jobs:
+            self._cond.wait()
+        self._hold_locked(lambda: self._jobs and self._readers and not self._closing and not self._stopped)
+        if self._stopped or not self._jobs:
+            return None
+        job = self._jobs.popleft()
+        self._in_flight = job
+        return job
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                job = self._next_locked()
+                if job is None and self._stopped:
+                    return
+            if job is None:
+                continue
+            try:
+                (self._complete if job.alive else self._drop)(job)
+            except Exception as e:  # noqa: BLE001 - the writer thread never dies
+                self.errors("deferred write", e)
+            finally:
+                self._finish(job)
+
+    def _finish(self, job: QueuedRound) -> None:
+        """``job`` left the queue (written and published, failed, or dropped)."""
+        with self._cond:
+            for k in job.keys:
+                if self._pending.get(k, (None,))[0] is job:
+                    del self._pending[k]
+            self._bytes -= job.nbytes
+            self._pages -= len(job.keys)
+            if self._in_flight is job:
+                self._in_flight = None
+            self._cond.notify_all()
+
+    # ================================================================ admin
+    def flush(self, timeout_s: float = 30.0) -> bool:
+        """Wait until every queued round left the queue (writes still yield to reads).
+        True when empty, False after ``timeout_s`` seconds."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while self._jobs or self._in_flight is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(left)
+        return True
+
+    def discard_dead(self) -> int:
+        """Take the rounds whose scope was dropped or cleared out of the queue without writing
+        them (:meth:`drop` each); returns how many."""
+        with self._cond:
+            dead = [j for j in self._jobs if not j.alive]
+            if dead:
+                self._jobs = collections.deque(j for j in self._jobs if j.alive)
+        for job in dead:
+            self._drop_one(job)
+        return len(dead)
+
+    def _drop_one(self, job: QueuedRound) -> None:
+        try:
+            self._drop(job)
+        except Exception as e:  # noqa: BLE001
+            self.errors("deferred write", e)
+        finally:
+            self._finish(job)
+
+    def close(self, timeout_s: float = 10.0) -> int:
+        """Drain: write what is queued (reads no longer hold writes) for up to ``timeout_s``
+        seconds, then stop the writer thread and drop what is left (never written, never
+        journaled: a restart does not find it). Returns the rounds dropped. Idempotent."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        self.flush(timeout_s)
+        with self._cond:
+            self._stopped = True
+            left = list(self._jobs)
+            self._jobs.clear()
+            self._cond.notify_all()
+            thread = self._thread
+        for job in left:
+            self._drop_one(job)
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=max(1.0, timeout_s))
+        return len(left)
+
+    def snapshot(self) -> dict:
+        """Backlog now: ``write_backlog_pages``, ``write_backlog_bytes`` (queued rounds,
+        the one being written included), ``write_backlog_limit_bytes``, ``reads_in_flight``."""
+        with self._cond:
+            return {"write_backlog_pages": self._pages, "write_backlog_bytes": self._bytes,
+                    "write_backlog_limit_bytes": self.backlog_limit, "reads_in_flight": self._readers}
+
+
+__all__ = ["MEDIUM_QUEUED", "QueuedPage", "QueuedRound", "WRITE_CHUNK_BYTES", "WriteQueue"]
