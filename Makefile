@@ -12,7 +12,7 @@ TORCH_PIP_ARGS ?=
 STAMP := $(VENV)/.flatcake-installed
 SOAK_SECONDS ?= 30
 
-.PHONY: venv demo test soak bench results results-quick clean
+.PHONY: venv demo test soak bench bench-sweep bench-write bench-gil results results-quick clean
 
 venv: $(STAMP)
 
@@ -54,6 +54,16 @@ soak: venv
 
 bench: venv
 	$(VPY) scripts/bench_restore.py
+
+# docs/performance.md: every page size (1/16/64/256 tokens), layout and MHA/MLA; writes; the GIL
+bench-sweep: venv
+	$(VPY) scripts/bench_restore.py --sweep --json runs/bench/restore-sweep.json
+
+bench-write: venv
+	$(VPY) scripts/bench_write.py --json runs/bench/write.json
+
+bench-gil: venv
+	$(VPY) scripts/bench_gil.py --json runs/bench/gil.json
 
 clean:
 	rm -rf runs build *.egg-info
