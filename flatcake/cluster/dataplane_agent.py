@@ -32,7 +32,7 @@ import xxhash
 from flatcake.gva.address import MEDIUM_DRAM, MEDIUM_SSD, encode_gva, medium_of
 
 COMMANDS = {"start", "write_dram", "write_ssd", "overwrite_dram", "wait", "resolve", "read", "raw_read",
-            "set_piece_delay", "stats", "close"}
+            "publish_meta", "set_piece_delay", "stats", "close"}
 
 
 def page_data(seed: int, key: str, page_bytes: int) -> np.ndarray:
@@ -53,7 +53,7 @@ class DataPlaneAgent:
 
     def start(self, host: str, config: dict, layers: int, chunk_bytes: int, dram_pages: int, ssd_dir: str,
               file_bytes: int = 64 << 20, slot_bytes: int = 1 << 20, landing_bytes: int = 8 << 20,
-              timeout_s: float = 1.0, ssd_port: int = 5601) -> dict:
+              timeout_s: float = 1.0, ssd_port: int = 5601, slots: int = 2) -> dict:
         """Start the Transfer Engine, DRAM region, SSD pool file and server, readers and the
         cluster node; publish the descriptor. Reply: ``te`` (address), ``ssd_rpc``."""
         from flatcake.cluster.node import ClusterNode
@@ -76,9 +76,11 @@ class DataPlaneAgent:
         with open(self.pool_path, "wb") as f:
             f.truncate(file_bytes)
         self.server = SsdOwnerServer(self.ep, lambda i: self.pool_path, file_bytes, f"tcp://{host}:{ssd_port}",
-                                     slot_bytes=slot_bytes, timeout_s=timeout_s).start()
+                                     slots=slots, slot_bytes=slot_bytes, timeout_s=timeout_s).start()
         self.dram_reader = RemoteDramReader(self.ep, landing_bytes)
         self.ssd_reader = RemoteSsdReader(self.ep, max(landing_bytes, slot_bytes), timeout_s)
+        # the pages' destination, preallocated and touched as a host pool is (reads copy into it)
+        self.out_buf = np.ones((max(1, landing_bytes // self.page_bytes), self.page_bytes), dtype=np.uint8)
         self.node = ClusterNode(cfg.cluster, cfg.node_id).start()
         desc = DataPlaneDescriptor(cfg.node_id, self.ep.address, dram_addr, dram_bytes, self.server.endpoint_url)
         publish_descriptor(self.node.session, cfg.cluster.prefix, desc, self.node.lease_id())
@@ -158,46 +160,64 @@ class DataPlaneAgent:
 
     def read(self, handle: Optional[int] = None, keys: Optional[list] = None, data: bool = False) -> dict:
         """Read the pages of ``handle`` (or look ``keys`` up now) from their owners. Reply: ``hit``
-        (bools), ``misses`` (by cause), ``elapsed_s``, ``bytes`` read, ``data`` (base64 pages) if asked."""
+        (bools), ``misses`` (by cause), ``elapsed_s`` (seconds inside the remote readers), ``bytes``
+        read, ``data`` (base64 of each page hit, None for a miss) when asked."""
         pages = self.handles[handle] if handle is not None else self.node.index.lookup(keys)
         hit = np.zeros(len(pages), dtype=bool)
-        out = np.zeros((len(pages), self.page_bytes), dtype=np.uint8)
         misses: dict = {"not_in_view": 0}
-        t0 = time.perf_counter()
         groups: dict = {}
         for i, p in enumerate(pages):
             if p is None:
                 misses["not_in_view"] += 1
             else:
                 groups.setdefault((p.node, medium_of(p.gva)), []).append(i)
+        elapsed, results = 0.0, []
         for (node, medium), idx in groups.items():
             reader = self.dram_reader if medium == MEDIUM_DRAM else self.ssd_reader
-            res = reader.read(self._desc(node), [pages[i] for i in idx], self.layers, self.chunk_bytes)
-            hit[idx], out[idx] = res.hit, res.data
+            desc = self._desc(node)
+            t0 = time.perf_counter()
+            out = self.out_buf if len(results) == 0 and len(idx) <= len(self.out_buf) else None
+            res = reader.read(desc, [pages[i] for i in idx], self.layers, self.chunk_bytes, out)
+            elapsed += time.perf_counter() - t0
+            hit[idx] = res.hit
+            results.append((idx, res))
             for k, v in res.misses.items():
                 misses[k] = misses.get(k, 0) + v
-        elapsed = time.perf_counter() - t0
         reply = {"hit": hit.tolist(), "misses": misses, "elapsed_s": elapsed, "bytes": int(hit.sum()) * self.page_bytes}
         if data:
-            reply["data"] = [base64.b64encode(out[i].tobytes()).decode() if hit[i] else None for i in range(len(pages))]
+            out: list = [None] * len(pages)
+            for idx, res in results:
+                for j, i in enumerate(idx):
+                    if res.hit[j]:
+                        out[i] = base64.b64encode(res.data[j].tobytes()).decode()
+            reply["data"] = out
         return reply
 
     def raw_read(self, handle: int) -> dict:
-        """The Transfer Engine's raw read of the same bytes as :meth:`read` of DRAM pages (one
-        entry per page, no checksum, no copy out). Reply: ``ok`` (bool), ``elapsed_s``, ``bytes``."""
-        from flatcake.gva.address import OFFSET_MASK
+        """The Transfer Engine's raw read of the same bytes as :meth:`read` of DRAM pages: the same
+        merged entries (:func:`~flatcake.cluster.remote_dram.transfer_list`), one synchronous batch
+        per landing buffer's worth, no checksum, no copy out. Reply: ``ok``, ``elapsed_s``, ``bytes``."""
+        from flatcake.cluster.remote_dram import transfer_list
 
         pages = self.handles[handle]
         desc = self._desc(pages[0].node)
-        per = max(1, self.dram_reader.landing.nbytes // self.page_bytes)
+        land = self.dram_reader.landing
+        per = max(1, land.nbytes // self.page_bytes)
         t0 = time.perf_counter()
         ok = True
         for lo in range(0, len(pages), per):
-            batch = pages[lo: lo + per]
-            local = [self.dram_reader.landing.addr + i * self.page_bytes for i in range(len(batch))]
-            remote = [desc.dram_addr + (p.gva & OFFSET_MASK) for p in batch]
-            ok &= self.ep.read(desc.te, local, remote, [self.page_bytes] * len(batch))
+            local, remote, lengths, sent = transfer_list(desc, pages[lo: lo + per], self.layers, self.chunk_bytes, land.addr)
+            ok &= len(sent) == len(pages[lo: lo + per]) and self.ep.read(desc.te, local, remote, lengths)
         return {"ok": bool(ok), "elapsed_s": time.perf_counter() - t0, "bytes": len(pages) * self.page_bytes}
+
+    def publish_meta(self, scope: int, seq: int, pages: int = 128) -> dict:
+        """Publish a round of ``pages`` page keys with no bytes behind them (SSD GVAs, checksums),
+        for the propagation delay. Reply: ``keys``."""
+        keys = [f"meta{scope:04d}{seq:06d}{i:04d}".ljust(64, "m") for i in range(pages)]
+        gvas = [encode_gva(MEDIUM_SSD, self.node_id, (1 << 40) + ((seq * pages + i) << 12)) for i in range(pages)]
+        sums = np.arange(pages * self.layers, dtype=np.uint64).reshape(pages, self.layers)
+        self.node.index.publish_round(scope, seq, MEDIUM_SSD, keys, gvas, pages * self.chunk_bytes, sums)
+        return {"keys": keys}
 
     def set_piece_delay(self, seconds: float) -> dict:
         """Make this node's SSD server sleep before each piece (a slow disk; tests only)."""
@@ -207,7 +227,8 @@ class DataPlaneAgent:
     def stats(self) -> dict:
         """Reply: SSD server counters and the view's ``propagation_s`` samples."""
         s = self.server
-        return {"pieces_served": s.pieces_served, "requests": s.requests, "dropped": s.dropped,
+        return {"pieces_served": s.pieces_served, "requests": s.requests, "dropped": s.dropped, "read_s": s.read_s,
+                "ssd_wait_s": self.ssd_reader.wait_s, "ssd_pull_s": self.ssd_reader.pull_s,
                 "propagation_s": self.node.index.view.propagation_s()}
 
     def close(self) -> dict:

@@ -31,6 +31,10 @@ from flatcake.gva.address import MEDIUM_DRAM, OFFSET_MASK, medium_of
 
 log = logging.getLogger(__name__)
 
+#: largest merged Transfer Engine entry (bytes): entries of ~1-4 MiB moved fastest in the
+#: measurements of docs/cluster.md, one huge entry gains nothing
+MAX_ENTRY_BYTES = 4 << 20
+
 
 def export_dram(endpoint: TransferEndpoint, region) -> tuple[int, int]:
     """Register a :class:`~flatcake.media.dram.DramRegion` with the Transfer Engine (once, at
@@ -65,90 +69,128 @@ def chunk_ranges(page: RemotePage, layers: int, chunk_bytes: int) -> list[tuple[
     return [(base + l * page.layer_stride, chunk_bytes) for l in range(layers)]
 
 
+def transfer_list(desc: DataPlaneDescriptor, pages: Sequence[RemotePage], layers: int, chunk_bytes: int,
+                  landing_addr: int) -> tuple[list, list, list, list]:
+    """The batch read that lands ``pages`` back to back at ``landing_addr`` (page ``i`` at
+    ``landing_addr + i * layers * chunk_bytes``, chunks in layer order), entries merged where both
+    sides are adjacent (consecutive slots: one entry).
+
+    Returns:
+        ``(local, remote, lengths, sent)``: addresses and byte counts of the entries, and the
+        indices of the pages in them (a page not on ``desc``'s DRAM, or past its region, is left out).
+    """
+    page_bytes = layers * chunk_bytes
+    local, remote, lengths, sent = [], [], [], []
+    for i, p in enumerate(pages):
+        ranges = chunk_ranges(p, layers, chunk_bytes)
+        if medium_of(p.gva) != MEDIUM_DRAM or p.node != desc.node or \
+                any(off + n > desc.dram_bytes for off, n in ranges):
+            continue
+        dst = landing_addr + i * page_bytes
+        for off, n in ranges:
+            src = desc.dram_addr + off
+            if lengths and local[-1] + lengths[-1] == dst and remote[-1] + lengths[-1] == src \
+                    and lengths[-1] + n <= MAX_ENTRY_BYTES:
+                lengths[-1] += n
+            else:
+                local.append(dst)
+                remote.append(src)
+                lengths.append(n)
+            dst += n
+        sent.append(i)
+    return local, remote, lengths, sent
+
+
 class RemoteDramReader:
-    """Reads other nodes' DRAM pages with the Transfer Engine (one reader per thread, or share it:
-    reads are serialised on its landing buffer).
+    """Reads other nodes' DRAM pages with the Transfer Engine, pipelined: the landing buffer is two
+    halves, and while one batch's bytes travel into one half the previous batch (other half) is
+    checked and copied out. One reader per thread, or share it (reads are serialised).
 
     Args:
         endpoint: this node's :class:`TransferEndpoint`.
-        landing_bytes: size of the registered landing buffer (multiple of 4096); a read of more
-            pages than fit goes in several batches.
+        landing_bytes: size of the registered landing buffer (multiple of 8192); a batch is at
+            most half of it (and at most ``batch_bytes``).
+        batch_bytes: bytes per pipelined batch (default 8 MiB).
 
     Raises:
         TransferError: the landing buffer could not be registered.
     """
 
-    def __init__(self, endpoint: TransferEndpoint, landing_bytes: int = 64 << 20):
+    def __init__(self, endpoint: TransferEndpoint, landing_bytes: int = 64 << 20, batch_bytes: int = 8 << 20):
         self.endpoint = endpoint
         self.landing = RegisteredBuffer(endpoint, landing_bytes)
+        self.half = landing_bytes // 2
+        self.batch_bytes = min(batch_bytes, self.half)
         self._lock = threading.Lock()
         self.pages_read = 0
         self.pages_missed = 0
 
     def read(self, desc: Optional[DataPlaneDescriptor], pages: Sequence[RemotePage], layers: int,
-             chunk_bytes: int) -> RemoteReadResult:
+             chunk_bytes: int, out: Optional[np.ndarray] = None) -> RemoteReadResult:
         """Read ``pages`` (all owned by ``desc.node``, medium DRAM) bit-exact or as misses.
 
         Args:
             desc: the owner's descriptor (None: the owner is unknown, every page a miss).
             pages: from the cluster view, ``[n]``.
             layers, chunk_bytes: the page geometry (chunks per page, bytes per chunk).
+            out: optional uint8 ``[>= n, layers * chunk_bytes]`` the pages are copied into.
 
         Returns:
             :class:`RemoteReadResult` with ``data`` ``[n, layers * chunk_bytes]`` and ``hit`` ``[n]``.
+
+        Raises:
+            ValueError: ``out`` has the wrong shape (a caller's bug, not an I/O fault).
         """
         page_bytes = layers * chunk_bytes
-        res = RemoteReadResult.empty(len(pages), page_bytes)
+        res = RemoteReadResult.empty(len(pages), page_bytes, out)
         if desc is None or not desc.dram_bytes:
             res.misses["unknown_owner"] = len(pages)
             return res
-        per_batch = max(1, self.landing.nbytes // page_bytes)
-        if page_bytes > self.landing.nbytes:
+        if page_bytes > self.batch_bytes:
             res.misses["failed"] = len(pages)
             return res
+        per = self.batch_bytes // page_bytes
         with self._lock:
-            for lo in range(0, len(pages), per_batch):
-                self._read_batch(desc, pages, lo, min(len(pages), lo + per_batch), layers, chunk_bytes, res)
+            pending = None
+            for b, lo in enumerate(range(0, len(pages), per)):
+                hi = min(len(pages), lo + per)
+                local, remote, lengths, sent = transfer_list(desc, pages[lo:hi], layers, chunk_bytes,
+                                                             self.landing.addr + (b % 2) * self.half)
+                res.misses["failed"] += (hi - lo) - len(sent)
+                bid = self.endpoint.submit(desc.te, local, remote, lengths) if sent else 0
+                if pending is not None:
+                    self._finish(pages, layers, chunk_bytes, res, *pending)
+                pending = (bid, lo, hi, b % 2, sent)
+            if pending is not None:
+                self._finish(pages, layers, chunk_bytes, res, *pending)
         n_hit = int(res.hit.sum())
         self.pages_read += n_hit
         self.pages_missed += len(pages) - n_hit
         return res
 
-    def _read_batch(self, desc: DataPlaneDescriptor, pages: Sequence[RemotePage], lo: int, hi: int, layers: int,
-                    chunk_bytes: int, res: RemoteReadResult) -> None:
+    def _finish(self, pages: Sequence[RemotePage], layers: int, chunk_bytes: int, res: RemoteReadResult,
+                bid: int, lo: int, hi: int, half: int, sent: list) -> None:
+        """Wait for one batch, check its pages against their checksums, copy the good ones out."""
+        if not sent:
+            return
+        if not self.endpoint.wait(bid):
+            res.misses["failed"] += len(sent)
+            return
         page_bytes = layers * chunk_bytes
-        local, remote, lengths, ok_pages = [], [], [], []
-        for i in range(lo, hi):
-            p = pages[i]
-            ranges = chunk_ranges(p, layers, chunk_bytes)
-            if medium_of(p.gva) != MEDIUM_DRAM or p.node != desc.node or \
-                    any(off + n > desc.dram_bytes for off, n in ranges):
-                res.misses["failed"] += 1
-                continue
-            dst = self.landing.addr + (i - lo) * page_bytes
-            for off, n in ranges:
-                if lengths and local[-1] + lengths[-1] == dst and remote[-1] + lengths[-1] == desc.dram_addr + off:
-                    lengths[-1] += n  # adjacent on both sides: one entry
-                else:
-                    local.append(dst)
-                    remote.append(desc.dram_addr + off)
-                    lengths.append(n)
-                dst += n
-            ok_pages.append(i)
-        if not ok_pages:
-            return
-        if not self.endpoint.read(desc.te, local, remote, lengths):
-            res.misses["failed"] += len(ok_pages)
-            return
-        land = self.landing.array[: (hi - lo) * page_bytes]
-        sent = set(ok_pages)
-        sums = [pages[i].checksums if i in sent else None for i in range(lo, hi)]
+        land = self.landing.array[half * self.half: half * self.half + (hi - lo) * page_bytes]
+        sums = [None] * (hi - lo)
+        for j in sent:
+            sums[j] = pages[lo + j].checksums
         good = verify_landed(land, sums, layers, chunk_bytes)
-        for i in ok_pages:
-            if good[i - lo]:
-                res.data[i] = land[(i - lo) * page_bytes: (i - lo + 1) * page_bytes]
-                res.hit[i] = True
-            elif pages[i].checksums is None:
+        if good.all():
+            res.data[lo:hi] = land.reshape(hi - lo, page_bytes)
+            res.hit[lo:hi] = True
+            return
+        for j in sent:
+            if good[j]:
+                res.data[lo + j] = land[j * page_bytes: (j + 1) * page_bytes]
+                res.hit[lo + j] = True
+            elif pages[lo + j].checksums is None:
                 res.misses["unverifiable"] += 1
             else:
                 res.misses["mismatch"] += 1

@@ -4,7 +4,7 @@ built here as a small request over pyzmq plus Transfer Engine pulls; issue 12).
 Protocol (zmq multipart ``[verb, JSON]``; the reader's DEALER, the owner's ROUTER)::
 
     reader -> owner   read     {"id", "ranges": [[offset, bytes], ...]}   SSD GVA offsets, one per chunk
-    owner  -> reader  plan     {"id", "pieces"}                            how many pieces follow
+    owner  -> reader  plan     {"id", "pieces", "slot_bytes"}              how many pieces follow
     owner  -> reader  ready    {"id", "piece", "slot", "addr", "used", "chunks": [[j, slot_off], ...]}
     owner  -> reader  failed   {"id", "piece", "chunks": [j, ...]}         the disk refused that piece
     reader -> owner   release  {"id", "slot"}                              pulled: the slot is free again
@@ -176,6 +176,7 @@ class SsdOwnerServer:
         self.pieces_served = 0
         self.dropped = 0
         self.read_errors = 0
+        self.read_s = 0.0  # seconds spent reading pieces from the disk
         self.piece_delay_s = 0.0  # tests: a slow disk (seconds of sleep before each piece)
         self._logged: set[int] = set()
 
@@ -220,7 +221,7 @@ class SsdOwnerServer:
         except (ValueError, KeyError, TypeError) as e:
             self._send(ident, "plan", {"id": rid, "pieces": 0, "error": str(e)})
             return
-        self._send(ident, "plan", {"id": rid, "pieces": len(pieces)})
+        self._send(ident, "plan", {"id": rid, "pieces": len(pieces), "slot_bytes": self.slot_bytes})
         free = list(range(self.slots))
         for k, piece in enumerate(pieces):
             if not free and not self._wait_release(ident, rid, free):
@@ -230,6 +231,7 @@ class SsdOwnerServer:
             if self.piece_delay_s:
                 time.sleep(self.piece_delay_s)
             view = memoryview(self.ring.array)[slot * self.slot_bytes: (slot + 1) * self.slot_bytes]
+            t0 = time.perf_counter()
             try:
                 self._files.read_piece(piece, view)
             except OSError as e:
@@ -240,6 +242,7 @@ class SsdOwnerServer:
                 free.append(slot)
                 self._send(ident, "failed", {"id": rid, "piece": k, "chunks": [j for j, _ in piece.chunks]})
                 continue
+            self.read_s += time.perf_counter() - t0
             self._send(ident, "ready", {"id": rid, "piece": k, "slot": slot, "used": piece.used,
                                         "addr": self.ring.addr + slot * self.slot_bytes, "chunks": piece.chunks})
             self.pieces_served += 1

@@ -4,10 +4,10 @@ Lifecycle of one read::
 
     pages (from the cluster view, medium SSD, one owner)
       -> one ``read`` request with every chunk's SSD GVA range  (pyzmq DEALER -> owner's ROUTER)
-      -> per ``ready`` piece: Transfer Engine pull of the owner's staging slot into our registered
-         landing buffer, ``release`` the slot, copy the piece's chunks into their pages
-      -> every page whose chunks all arrived is checked against its record's checksums
-      -> hit or miss per page (never other bytes)
+      -> per ``ready`` piece: Transfer Engine pull of the owner's staging slot into a window of our
+         registered landing buffer (several pulls in flight), ``release`` the slot, check each
+         chunk against its record's xxh3-64 and copy it into its page
+      -> hit (every chunk arrived and matched) or miss per page (never other bytes)
 
 An owner silent for ``timeout_s`` (killed, cut off, overloaded) ends the read: every page not
 yet arrived is a miss; the socket is dropped so a late answer can never be mistaken for a new one.
@@ -16,20 +16,25 @@ Nothing here raises into the caller.
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import os
 import threading
+import time
 from typing import Optional, Sequence
 
 import numpy as np
+import xxhash
 
 from flatcake.cluster.records import RemotePage
-from flatcake.cluster.transfer import (DataPlaneDescriptor, RegisteredBuffer, RemoteReadResult, TransferEndpoint,
-                                       verify_landed)
+from flatcake.cluster.transfer import DataPlaneDescriptor, RegisteredBuffer, RemoteReadResult, TransferEndpoint
 from flatcake.gva.address import MEDIUM_SSD, OFFSET_MASK, medium_of
 
 log = logging.getLogger(__name__)
+
+#: bytes per Transfer Engine entry when pulling a staging slot (a slot is pulled as several entries)
+PULL_ENTRY_BYTES = 1 << 20
 
 
 class RemoteSsdReader:
@@ -56,6 +61,8 @@ class RemoteSsdReader:
         self._lock = threading.Lock()
         self._next_id = int.from_bytes(os.urandom(4), "little") << 16
         self.timeouts = 0
+        self.wait_s = 0.0  # seconds waiting for the owner's answers
+        self.pull_s = 0.0  # seconds in Transfer Engine pulls of staging slots
 
     def close(self) -> None:
         """Close the sockets to the owners."""
@@ -88,46 +95,53 @@ class RemoteSsdReader:
         return None
 
     def read(self, desc: Optional[DataPlaneDescriptor], pages: Sequence[RemotePage], layers: int,
-             chunk_bytes: int) -> RemoteReadResult:
+             chunk_bytes: int, out: Optional[np.ndarray] = None) -> RemoteReadResult:
         """Read ``pages`` (all owned by ``desc.node``, medium SSD) bit-exact or as misses.
 
         Args:
             desc: the owner's descriptor (None or no ``ssd_rpc``: every page a miss).
             pages: ``[n]`` from the cluster view; layers, chunk_bytes: the page geometry.
+            out: optional uint8 ``[>= n, layers * chunk_bytes]`` the pages are copied into.
 
         Returns:
             :class:`RemoteReadResult`, ``data`` ``[n, layers * chunk_bytes]``, ``hit`` ``[n]``.
+
+        Raises:
+            ValueError: ``out`` has the wrong shape (a caller's bug, not an I/O fault).
         """
-        res = RemoteReadResult.empty(len(pages), layers * chunk_bytes)
+        res = RemoteReadResult.empty(len(pages), layers * chunk_bytes, out)
         if desc is None or not desc.ssd_rpc:
             res.misses["unknown_owner"] = len(pages)
             return res
-        valid = [i for i, p in enumerate(pages) if medium_of(p.gva) == MEDIUM_SSD and p.node == desc.node]
-        res.misses["failed"] += len(pages) - len(valid)
+        ok = [medium_of(p.gva) == MEDIUM_SSD and p.node == desc.node for p in pages]
+        res.misses["failed"] += len(pages) - sum(ok)
+        # a page without checksums could not be verified: it is a miss, never requested
+        valid = [i for i, p in enumerate(pages) if ok[i] and p.checksums is not None and len(p.checksums) == layers]
+        res.misses["unverifiable"] += sum(ok) - len(valid)
         ranges = [((pages[i].gva & OFFSET_MASK) + l * pages[i].layer_stride, chunk_bytes)
                   for i in valid for l in range(layers)]
-        arrived = np.zeros(len(pages) * layers, dtype=bool)
-        with self._lock:
-            outcome = self._exchange(desc, ranges, valid, layers, chunk_bytes, res, arrived)
-        whole = arrived.reshape(len(pages), layers).all(axis=1) if len(pages) else arrived
-        sums = [pages[i].checksums if whole[i] else None for i in range(len(pages))]
-        good = verify_landed(res.data.reshape(-1), sums, layers, chunk_bytes)
-        res.hit[:] = good
+        want = np.zeros(len(pages) * layers, dtype=np.uint64)
         for i in valid:
-            if good[i]:
+            want[i * layers: (i + 1) * layers] = pages[i].checksums
+        state = np.zeros(len(pages) * layers, dtype=np.int8)  # per chunk: 0 missing, 1 verified, -1 mismatch
+        with self._lock:
+            outcome = self._exchange(desc, ranges, valid, layers, chunk_bytes, res, (want, state))
+        per_page = state.reshape(len(pages), layers) if len(pages) else state.reshape(0, layers)
+        res.hit[:] = (per_page == 1).all(axis=1) if layers else False
+        for i in valid:
+            if res.hit[i]:
                 continue
-            if not whole[i]:
-                res.misses["timeout" if outcome == "timeout" else "failed"] += 1
-            elif pages[i].checksums is None:
-                res.misses["unverifiable"] += 1
-            else:
+            if (per_page[i] == -1).any():
                 res.misses["mismatch"] += 1
+            else:
+                res.misses["timeout" if outcome == "timeout" else "failed"] += 1
         return res
 
     def _exchange(self, desc: DataPlaneDescriptor, ranges: list, valid: list, layers: int, chunk_bytes: int,
-                  res: RemoteReadResult, arrived: np.ndarray) -> str:
-        """Run one request; fills ``res.data`` and ``arrived`` (per global chunk ``i * layers + l``).
-        Returns ``"done"``, ``"timeout"`` or ``"refused"``."""
+                  res: RemoteReadResult, check: tuple) -> str:
+        """Run one request; fills ``res.data`` and ``check[1]`` (per global chunk ``i * layers + l``:
+        1 arrived and matching ``check[0]``'s checksum, -1 arrived and not). Returns ``"done"``,
+        ``"timeout"`` or ``"refused"``."""
         if not ranges:
             return "done"
         self._next_id += 1
@@ -140,28 +154,71 @@ class RemoteSsdReader:
         if msg[1].get("error"):
             log.warning("remote SSD read refused by node %d: %s", desc.node, msg[1]["error"])
             return "refused"
-        flat = res.data.reshape(-1)
+        slot_bytes = int(msg[1].get("slot_bytes", 0))
+        if not 0 < slot_bytes <= self.landing.nbytes:
+            log.warning("remote SSD read: node %d's %d-byte staging slots exceed the %d-byte landing buffer",
+                        desc.node, slot_bytes, self.landing.nbytes)
+            return "refused"
         # request range j -> global chunk index (page i, layer l) -> byte offset in res.data
         dest = np.asarray([valid[j // layers] * layers + j % layers for j in range(len(ranges))], dtype=np.int64)
-        for _ in range(int(msg[1]["pieces"])):
-            msg = self._recv(sock, rid)
-            if msg is None:
-                return self._timed_out(desc)
-            verb, body = msg
-            if verb != "ready":
-                continue  # "failed": the owner's disk refused that piece, its chunks stay missing
-            used = int(body["used"])
-            pulled = used <= self.landing.nbytes and \
-                self.endpoint.read(desc.te, [self.landing.addr], [int(body["addr"])], [used])
-            sock.send_multipart([b"release", json.dumps({"id": rid, "slot": body["slot"]}).encode()])
-            if not pulled:
-                continue
-            land = self.landing.array
-            for j, so in body["chunks"]:
-                g = int(dest[j])
-                flat[g * chunk_bytes: (g + 1) * chunk_bytes] = land[so: so + chunk_bytes]
-                arrived[g] = True
+        copy = (res.data.reshape(-1), dest, chunk_bytes, *check)
+        return self._pump(desc, sock, rid, int(msg[1]["pieces"]), slot_bytes, copy)
+
+    def _pump(self, desc: DataPlaneDescriptor, sock, rid: int, pieces: int, slot_bytes: int, copy: tuple) -> str:
+        """Pull every ``ready`` piece into a free landing window, several pulls in flight at once;
+        each finished pull releases the owner's slot and its chunks are copied out."""
+        free = list(range(self.landing.nbytes // slot_bytes))
+        inflight: collections.deque = collections.deque()
+        left = pieces
+        while left or inflight:
+            # take every answer already here; block for one only when no pull is in flight
+            while left and free and (not inflight or sock.poll(0)):
+                t0 = time.perf_counter()
+                msg = self._recv(sock, rid)
+                self.wait_s += time.perf_counter() - t0
+                if msg is None:
+                    for bid, _w, _b in inflight:  # the landing windows must be ours again first
+                        self.endpoint.wait(bid)
+                    return self._timed_out(desc)
+                left -= 1
+                if msg[0] != "ready":
+                    continue  # "failed": the owner's disk refused that piece, its chunks stay missing
+                w = free.pop(0)
+                inflight.append((self._submit_pull(desc.te, w * slot_bytes, msg[1]), w, msg[1]))
+            if inflight:
+                bid, w, body = inflight.popleft()
+                t0 = time.perf_counter()
+                ok = self.endpoint.wait(bid)
+                self.pull_s += time.perf_counter() - t0
+                sock.send_multipart([b"release", json.dumps({"id": rid, "slot": body["slot"]}).encode()])
+                if ok:
+                    self._copy_out(w * slot_bytes, body["chunks"], *copy)
+                free.append(w)
         return "done"
+
+    def _submit_pull(self, peer: str, offset: int, body: dict) -> int:
+        """Start pulling a ``ready`` slot into the landing buffer at ``offset``, as entries of at
+        most :data:`PULL_ENTRY_BYTES` (the engine moves several at once). Returns the batch id."""
+        used, addr = int(body["used"]), int(body["addr"])
+        offs = range(0, used, PULL_ENTRY_BYTES)
+        return self.endpoint.submit(peer, [self.landing.addr + offset + o for o in offs], [addr + o for o in offs],
+                                    [min(PULL_ENTRY_BYTES, used - o) for o in offs])
+
+    def _copy_out(self, base: int, chunks: list, flat: np.ndarray, dest: np.ndarray, chunk_bytes: int,
+                  want: np.ndarray, state: np.ndarray) -> None:
+        """Check each chunk of a pulled piece against its checksum (while other pulls are in flight)
+        and copy the ones that match into their page."""
+        land = self.landing.array
+        mv = memoryview(land)
+        h = xxhash.xxh3_64_intdigest
+        for j, so in chunks:
+            g = int(dest[j])
+            src = base + so
+            if h(mv[src: src + chunk_bytes]) != int(want[g]):
+                state[g] = -1
+                continue
+            flat[g * chunk_bytes: (g + 1) * chunk_bytes] = land[src: src + chunk_bytes]
+            state[g] = 1
 
     def _timed_out(self, desc: DataPlaneDescriptor) -> str:
         self.timeouts += 1

@@ -109,6 +109,31 @@ class TransferEndpoint:
             self.read_failures += 1
         return rc == 0
 
+    def submit(self, peer: str, local: Sequence[int], remote: Sequence[int], lengths: Sequence[int]) -> int:
+        """Start a batch read (as :meth:`read`) and return at once. Returns its batch id, 0 when it
+        could not start (peer unreachable); finish it with :meth:`wait`. Never raises."""
+        try:
+            bid = int(self._te.batch_transfer_async_read(peer, list(local), list(remote), list(lengths)))
+        except Exception:
+            bid = 0
+        self.reads += 1
+        if not bid:
+            self.read_failures += 1
+        return bid
+
+    def wait(self, batch_id: int) -> bool:
+        """Block until batch ``batch_id`` (from :meth:`submit`) is done; True when every entry
+        arrived. ``batch_id`` 0 (not started) is False. Never raises."""
+        if not batch_id:
+            return False
+        try:
+            rc = self._te.get_batch_transfer_status([batch_id])
+        except Exception:
+            rc = -1
+        if rc != 0:
+            self.read_failures += 1
+        return rc == 0
+
     def close(self) -> None:
         """Unregister every buffer registered here (the engine itself lives until the process ends)."""
         with self._lock:
@@ -258,7 +283,15 @@ class RemoteReadResult:
     misses: dict
 
     @classmethod
-    def empty(cls, n: int, page_bytes: int) -> "RemoteReadResult":
-        """All-miss result for ``n`` pages of ``page_bytes`` bytes."""
-        return cls(np.zeros((n, page_bytes), dtype=np.uint8), np.zeros(n, dtype=bool),
+    def empty(cls, n: int, page_bytes: int, out: Optional[np.ndarray] = None) -> "RemoteReadResult":
+        """All-miss result for ``n`` pages of ``page_bytes`` bytes, its ``data`` in ``out`` (uint8
+        ``[>= n, page_bytes]``, e.g. a preallocated staging area) or a new array.
+
+        Raises:
+            ValueError: ``out`` has the wrong dtype or shape."""
+        if out is None:
+            out = np.empty((n, page_bytes), dtype=np.uint8)
+        elif out.dtype != np.uint8 or out.ndim != 2 or out.shape[0] < n or out.shape[1] != page_bytes:
+            raise ValueError(f"out: uint8 [>= {n}, {page_bytes}] expected, got {out.dtype} {list(out.shape)}")
+        return cls(out[:n], np.zeros(n, dtype=bool),
                    {"mismatch": 0, "unverifiable": 0, "failed": 0, "timeout": 0, "unknown_owner": 0})
