@@ -354,3 +354,21 @@ def test_a_drive_back_with_new_files_is_never_read_through_old_descriptors(drive
     assert served(store, pool, lay, new, first_page=50) == [True] * 4  # the new bytes, bit-exact
     assert served(store, pool, lay, old, first_page=0) == [k in old[0::4] or k in old[1::4] for k in old]
     store.close()
+
+
+def test_with_the_write_queue_rounds_still_alternate_and_a_deferred_fault_takes_only_its_drive(drives, monkeypatch):
+    store, pool, lay = open_store(drives[:2], **{"ssd.write_backlog_bytes": 16 << 20})
+    restore = refuse_writes_under(monkeypatch, drives[1])
+    store.queue.reads_begin()  # a restore in flight: the writer waits, all four rounds are placed first
+    keys = put_session(store, pool, lay, "s", rounds=4)  # queued: the put succeeds before the write
+    assert [store.medium_of(k) for k in keys] == ["queued"] * 8
+    store.queue.reads_end()
+    assert store.queue.flush()
+    restore()
+    st = store.snapshot_stats()
+    assert st["media"]["ssd"]["files_out_of_service"] == [1, 3] and st["deferred_write_failures"] == 2
+    # rounds 1 and 3 (drive 1) failed after the fact; rounds 0 and 2 (drive 0) were published
+    assert [store.page_info(k) is not None for k in keys] == [True, True, False, False] * 2
+    assert served(store, pool, lay, keys) == [True, True, False, False] * 2
+    assert {drive_dir_of(store, k) for k in keys[0:2] + keys[4:6]} == {drives[0]}
+    store.close()
