@@ -124,6 +124,7 @@ class RemoteDramReader:
         self._lock = threading.Lock()
         self.pages_read = 0
         self.pages_missed = 0
+        self.retired: list[RegisteredBuffer] = []  # landing buffers a failed batch may still write into
 
     def read(self, desc: Optional[DataPlaneDescriptor], pages: Sequence[RemotePage], layers: int,
              chunk_bytes: int, out: Optional[np.ndarray] = None) -> RemoteReadResult:
@@ -149,33 +150,53 @@ class RemoteDramReader:
         if page_bytes > self.batch_bytes:
             res.misses["failed"] = len(pages)
             return res
-        per = self.batch_bytes // page_bytes
         with self._lock:
-            pending = None
-            for b, lo in enumerate(range(0, len(pages), per)):
-                hi = min(len(pages), lo + per)
-                local, remote, lengths, sent = transfer_list(desc, pages[lo:hi], layers, chunk_bytes,
-                                                             self.landing.addr + (b % 2) * self.half)
-                res.misses["failed"] += (hi - lo) - len(sent)
-                bid = self.endpoint.submit(desc.te, local, remote, lengths) if sent else 0
-                if pending is not None:
-                    self._finish(pages, layers, chunk_bytes, res, *pending)
-                pending = (bid, lo, hi, b % 2, sent)
-            if pending is not None:
-                self._finish(pages, layers, chunk_bytes, res, *pending)
+            self._pipeline(desc, pages, layers, chunk_bytes, res)
         n_hit = int(res.hit.sum())
         self.pages_read += n_hit
         self.pages_missed += len(pages) - n_hit
         return res
 
+    def _pipeline(self, desc: DataPlaneDescriptor, pages: Sequence[RemotePage], layers: int, chunk_bytes: int,
+                  res: RemoteReadResult) -> None:
+        """Batch ``b`` lands in half ``b % 2`` while batch ``b - 1`` is finished. After a failed
+        batch (owner gone or cut off) nothing more is sent: the rest are misses at once, and the
+        landing buffer is retired (the engine may still write into it) for a fresh one."""
+        page_bytes = layers * chunk_bytes
+        per = self.batch_bytes // page_bytes
+        pending, failed = None, False
+        for b, lo in enumerate(range(0, len(pages), per)):
+            hi = min(len(pages), lo + per)
+            if failed:
+                res.misses["failed"] += hi - lo
+                continue
+            local, remote, lengths, sent = transfer_list(desc, pages[lo:hi], layers, chunk_bytes,
+                                                         self.landing.addr + (b % 2) * self.half)
+            res.misses["failed"] += (hi - lo) - len(sent)
+            bid = self.endpoint.submit(desc.te, local, remote, lengths) if sent else 0
+            if sent and not bid:
+                res.misses["failed"] += len(sent)
+                failed = True
+                continue
+            if pending is not None:
+                failed |= not self._finish(pages, layers, chunk_bytes, res, *pending)
+            pending = (bid, lo, hi, b % 2, sent)
+        if pending is not None:
+            failed |= not self._finish(pages, layers, chunk_bytes, res, *pending)
+        if failed:
+            self.retired.append(self.landing)
+            self.landing = RegisteredBuffer(self.endpoint, self.landing.nbytes)
+            log.info("remote DRAM read from node %d failed; landing buffer replaced", desc.node)
+
     def _finish(self, pages: Sequence[RemotePage], layers: int, chunk_bytes: int, res: RemoteReadResult,
-                bid: int, lo: int, hi: int, half: int, sent: list) -> None:
-        """Wait for one batch, check its pages against their checksums, copy the good ones out."""
+                bid: int, lo: int, hi: int, half: int, sent: list) -> bool:
+        """Wait for one batch, check its pages against their checksums, copy the good ones out.
+        Returns False when the transfer failed (its pages are misses)."""
         if not sent:
-            return
+            return True
         if not self.endpoint.wait(bid):
             res.misses["failed"] += len(sent)
-            return
+            return False
         page_bytes = layers * chunk_bytes
         land = self.landing.array[half * self.half: half * self.half + (hi - lo) * page_bytes]
         sums = [None] * (hi - lo)
@@ -185,7 +206,7 @@ class RemoteDramReader:
         if good.all():
             res.data[lo:hi] = land.reshape(hi - lo, page_bytes)
             res.hit[lo:hi] = True
-            return
+            return True
         for j in sent:
             if good[j]:
                 res.data[lo + j] = land[j * page_bytes: (j + 1) * page_bytes]
@@ -194,3 +215,4 @@ class RemoteDramReader:
                 res.misses["unverifiable"] += 1
             else:
                 res.misses["mismatch"] += 1
+        return True

@@ -63,6 +63,7 @@ class RemoteSsdReader:
         self.timeouts = 0
         self.wait_s = 0.0  # seconds waiting for the owner's answers
         self.pull_s = 0.0  # seconds in Transfer Engine pulls of staging slots
+        self.retired: list[RegisteredBuffer] = []  # landing buffers a failed pull may still write into
 
     def close(self) -> None:
         """Close the sockets to the owners."""
@@ -190,11 +191,23 @@ class RemoteSsdReader:
                 t0 = time.perf_counter()
                 ok = self.endpoint.wait(bid)
                 self.pull_s += time.perf_counter() - t0
+                if not ok:  # owner gone or cut off: stop here, the rest are misses
+                    return self._pull_failed(desc, inflight)
                 sock.send_multipart([b"release", json.dumps({"id": rid, "slot": body["slot"]}).encode()])
-                if ok:
-                    self._copy_out(w * slot_bytes, body["chunks"], *copy)
+                self._copy_out(w * slot_bytes, body["chunks"], *copy)
                 free.append(w)
         return "done"
+
+    def _pull_failed(self, desc: DataPlaneDescriptor, inflight) -> str:
+        """A pull failed: wait out the others, drop the socket (the owner drops the request when its
+        slots are not released) and retire the landing buffer (the engine may still write into it)."""
+        for bid, _w, _b in inflight:
+            self.endpoint.wait(bid)
+        self._drop(desc.ssd_rpc)
+        self.retired.append(self.landing)
+        self.landing = RegisteredBuffer(self.endpoint, self.landing.nbytes)
+        log.info("remote SSD read: a pull from node %d failed; landing buffer replaced", desc.node)
+        return "failed"
 
     def _submit_pull(self, peer: str, offset: int, body: dict) -> int:
         """Start pulling a ``ready`` slot into the landing buffer at ``offset``, as entries of at

@@ -22,6 +22,7 @@ without declaring it (``scripts/setup_ibverbs.sh`` installs Debian's ``libibverb
 from __future__ import annotations
 
 import json
+import math
 import os
 import threading
 from dataclasses import asdict, dataclass
@@ -59,6 +60,11 @@ class TransferEndpoint:
 
     Args:
         host: this node's address as the other nodes reach it (an IP of its namespace).
+        timeout_s: how long a batch may stall before it fails (seconds). The engine reads it from
+            ``MC_TRANSFER_TIMEOUT`` when it is created (whole seconds, at least 5; plus 1 ns per
+            byte of the batch), so this sets that variable unless it is already set: an owner cut
+            off mid-read (no reset, no progress) costs a reader at most about this long. An owner
+            that is gone (connection refused) fails at once.
 
     Attributes:
         address: ``host:rpc_port``, the name the other nodes read this node's memory by.
@@ -68,8 +74,9 @@ class TransferEndpoint:
         ImportError: the Mooncake wheel is missing or cannot load (see :func:`te_unavailable_reason`).
     """
 
-    def __init__(self, host: str):
+    def __init__(self, host: str, timeout_s: float = 5.0):
         os.environ.setdefault("GLOG_minloglevel", "2")  # the engine logs every handshake at INFO
+        os.environ.setdefault("MC_TRANSFER_TIMEOUT", str(max(5, math.ceil(timeout_s))))
         from mooncake.engine import TransferEngine
 
         self._te = TransferEngine()

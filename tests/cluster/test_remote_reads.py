@@ -52,8 +52,8 @@ def _data(reply, i):
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    """(cluster, [A, B]) shared by the read tests of this module; torn down with a check that no
-    namespace, /dev/shm directory or pool file is left."""
+    """(cluster, [A, B]) shared by the tests of this module, in file order (one cluster start; the
+    last test kills A); torn down with a check that no namespace or /dev/shm directory is left."""
     reason = _skip_reason()
     if reason:
         pytest.skip(reason)
@@ -108,36 +108,59 @@ def test_a_page_overwritten_on_a_after_b_looked_it_up_is_a_miss_never_the_new_by
     assert [_data(got, i) for i in (0, 1, 5, 6, 7)] == [page_data(21, keys[i], PAGE).tobytes() for i in (0, 1, 5, 6, 7)]
 
 
-def test_a_killed_mid_read_gives_b_misses_for_the_unread_pages_and_nothing_raises(tmp_path):
-    reason = _skip_reason()
-    if reason:
-        pytest.skip(reason)
-    with LocalCluster(2) as cluster:
-        a, b = _start(cluster, tmp_path)
-        rounds = [_keys(f"r{r}x", 4) for r in range(6)]  # 6 rounds of 4 pages: one 64 KiB piece each
-        for r, keys in enumerate(rounds):
-            a.must("write_ssd", scope=4, seq=r, keys=keys, seed=31)
-        dram = _keys("kd", 8)
-        a.must("write_dram", scope=5, seq=0, keys=dram, seed=32)
-        every = [k for keys in rounds for k in keys]
-        assert b.must("wait", keys=every + dram)["done"]
-        a.must("set_piece_delay", seconds=0.5)  # a slow disk: the kill lands mid-read
-        b.send("read", keys=every, data=True)
-        # piece 2 is read only after B pulled piece 0 and released its slot: round 0 is in B's hands
-        guard = time.monotonic() + 60
-        while a.must("stats")["pieces_served"] < 3 and time.monotonic() < guard:
-            time.sleep(0.02)
-        a.proc.kill()
-        a.proc.wait()
-        got = b.reply()
-        assert got["ok"], got
-        hits = got["hit"]
-        assert hits[:4] == [True] * 4 and not all(hits)
-        assert got["misses"]["timeout"] == hits.count(False)
-        assert [_data(got, i) for i in range(24) if hits[i]] == \
-            [page_data(31, k, PAGE).tobytes() for i, k in enumerate(every) if hits[i]]
-        # A's DRAM pages are still in B's view until A's lease expires: the transfer fails, a miss
-        late = b.must("read", keys=dram)
-        assert late["hit"] == [False] * 8
-        assert late["misses"]["failed"] + late["misses"]["not_in_view"] == 8
-    assert leftover_namespaces(cluster.name) == []
+def test_a_cut_off_gives_b_misses_within_the_timeouts_and_reads_resume_after_the_link_heals(pair):
+    cluster, (a, b) = pair
+    dram, ssd = _keys("cutd", 8), _keys("cuts", 8)
+    a.must("write_dram", scope=6, seq=0, keys=dram, seed=41)
+    a.must("write_ssd", scope=7, seq=0, keys=ssd, seed=42)
+    assert b.must("wait", keys=dram + ssd)["done"]
+    hd, hs = b.must("resolve", keys=dram)["handle"], b.must("resolve", keys=ssd)["handle"]
+    assert all(b.must("read", handle=hd)["hit"]) and all(b.must("read", handle=hs)["hit"])
+    cluster.set_link(0, False)  # no reset: packets to A vanish
+    try:
+        # bounded by the engine's transfer timeout (5 s) and the SSD reader's timeout_s (1 s)
+        cut_dram = b.must("read", handle=hd, limit_s=60)
+        cut_ssd = b.must("read", handle=hs, limit_s=60)
+    finally:
+        cluster.set_link(0, True)
+    assert cut_dram["hit"] == [False] * 8 and cut_dram["misses"]["failed"] == 8
+    assert cut_ssd["hit"] == [False] * 8 and cut_ssd["misses"]["timeout"] == 8
+    # A lost its lease while cut off: it registers again and republishes; B reads it again
+    assert b.must("wait", keys=dram + ssd, timeout_s=30.0)["done"]
+    got = b.must("read", keys=dram + ssd, data=True)
+    assert got["hit"] == [True] * 16
+    assert [_data(got, i) for i in range(16)] == \
+        [page_data(41, k, PAGE).tobytes() for k in dram] + [page_data(42, k, PAGE).tobytes() for k in ssd]
+
+
+def test_a_killed_mid_read_gives_b_misses_for_the_unread_pages_and_nothing_raises(pair):
+    # the last test of the module: it kills the pair's node A
+    cluster, (a, b) = pair
+    rounds = [_keys(f"r{r}x", 4) for r in range(6)]  # 6 rounds of 4 pages: one 64 KiB piece each
+    for r, keys in enumerate(rounds):
+        a.must("write_ssd", scope=4, seq=r, keys=keys, seed=31)
+    dram = _keys("kd", 8)
+    a.must("write_dram", scope=5, seq=0, keys=dram, seed=32)
+    every = [k for keys in rounds for k in keys]
+    assert b.must("wait", keys=every + dram)["done"]
+    hd = b.must("resolve", keys=dram)["handle"]
+    a.must("set_piece_delay", seconds=0.5)  # a slow disk: the kill lands mid-read
+    served = a.must("stats")["pieces_served"]
+    b.send("read", keys=every, data=True)
+    # piece 2 is read only after B pulled piece 0 and released its slot: round 0 is in B's hands
+    guard = time.monotonic() + 60
+    while a.must("stats")["pieces_served"] < served + 3 and time.monotonic() < guard:
+        time.sleep(0.02)
+    a.proc.kill()
+    a.proc.wait()
+    got = b.reply()
+    assert got["ok"], got
+    hits = got["hit"]
+    assert hits[:4] == [True] * 4 and not all(hits)
+    # B was waiting for A's next piece (timeout) or, rarely, pulling one (failed transfer)
+    assert got["misses"]["timeout"] + got["misses"]["failed"] == hits.count(False)
+    assert [_data(got, i) for i in range(24) if hits[i]] == \
+        [page_data(31, k, PAGE).tobytes() for i, k in enumerate(every) if hits[i]]
+    # A's DRAM pages, resolved before the kill: the transfer is refused at once, a miss
+    late = b.must("read", handle=hd)
+    assert late["hit"] == [False] * 8 and late["misses"]["failed"] == 8
