@@ -139,10 +139,13 @@ class FlatCakeMetrics:
         self._last: dict = {}
         self._lock = threading.Lock()
 
-    def new_store(self) -> None:
-        """The adapter opened a new store (its counters start at 0 again): count from there."""
+    def new_store(self, labels: Optional[dict] = None) -> None:
+        """The adapter opened a new store (its counters start at 0 again): count from there,
+        under ``labels`` when given (a re-registered store may have another pool)."""
         with self._lock:
             self._last = {}
+            if labels is not None:
+                self.labels = tuple(str(labels.get(k, "")) for k in BASE_LABELS)
 
     def update(self, snap: dict) -> None:
         """Bring every metric to ``snap`` (:meth:`PageStore.snapshot_stats`). Never raises

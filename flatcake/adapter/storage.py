@@ -31,7 +31,8 @@ from flatcake.config import FlatCakeConfig, config_from_extra
 from flatcake.errorlog import ErrorLog
 from flatcake.layout import KvPageLayout, UnsupportedLayoutError
 from flatcake.adapter.v2 import HybridPoolsMixin, is_logical_anchor
-from flatcake.adapter.identity import PoolIdentity, base_identity, expand_ssd_paths, open_pool, rank_values, sglang_replica
+from flatcake.adapter.identity import (PoolIdentity, base_identity, dp_rank_of, expand_ssd_paths, open_pool, rank_values,
+                                       sglang_replica)
 from flatcake.adapter.startup import check_file_bytes, default_path_warning, prefix_keys_warning, startup_line
 from flatcake.media.pool_dir import ensure_pool_dir
 from flatcake.metrics import REFRESH_S, make_exporter
@@ -150,7 +151,7 @@ class FlatCakeStorage(HybridPoolsMixin, HiCacheStorage):
                 self.cfg, self.namespace, base_identity(sc, self.cfg, self.replica), role)
             self.errors = self.store.errors
             if self._exporter is not None:
-                self._exporter.new_store()
+                self._exporter.new_store(self._metric_labels())
         self._log_startup(role, self.identity)
 
     def _log_startup(self, role: str, ident: PoolIdentity) -> None:
@@ -402,17 +403,22 @@ class FlatCakeStorage(HybridPoolsMixin, HiCacheStorage):
             return
         self._metrics_refreshed_at = now
         try:
-            if not self._exporter_tried:
-                self._exporter_tried = True
-                sc = self.storage_config
-                self._exporter = make_exporter({"pool": self.store.ssd.prefix, "tp_rank": sc.tp_rank,
-                                                "pp_rank": sc.pp_rank, "dp_rank": getattr(sc, "dp_rank", 0)},
-                                               self.prometheus_registry)
+            with self._metrics_lock:  # get_stats (scheduler thread) and close may race here
+                if not self._exporter_tried:
+                    self._exporter_tried = True
+                    self._exporter = make_exporter(self._metric_labels(), self.prometheus_registry)
             if self._exporter is not None:
                 self._exporter.update(self.store.snapshot_stats())
         except Exception as e:
             self.errors("metrics", e)
 
+    def _metric_labels(self) -> dict:
+        """Labels of FlatCake's own metrics for the open store: its pool (file prefix, unique
+        per process: :mod:`flatcake.adapter.identity`) and ranks; ``dp_rank`` is the replica the
+        pool identity uses (SGLang's replica number when it gives every replica DP rank 0)."""
+        sc = self.storage_config
+        return {"pool": self.store.ssd.prefix, "tp_rank": sc.tp_rank if sc else 0,
+                "pp_rank": sc.pp_rank if sc else 0, "dp_rank": dp_rank_of(sc, self.replica) if sc else 0}
 
 #: the clock of the per-call timings (seconds; tests may replace it)
 clock = time.perf_counter

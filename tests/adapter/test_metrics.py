@@ -10,7 +10,7 @@ import types
 from dataclasses import dataclass, field
 
 import pytest
-from flatcake_testkit import slots_of, two_requests_share, write_pages
+from flatcake_testkit import make_pool, slots_of, two_requests_share, write_pages
 
 from flatcake import metrics
 from flatcake.adapter import storage
@@ -166,6 +166,23 @@ def test_counters_stay_monotonic_when_the_store_is_reopened(metered):
     assert be.flatcake_stats()["hit_pages_ssd"] == 1
     assert _sample(be, "flatcake_hit_pages_total", medium="ssd") == 3
 
+
+def test_a_re_registered_store_in_another_pool_is_labelled_with_that_pool(metered):
+    """The ``pool`` label follows the open store: a host pool with another page size opens
+    another pool (another namespace), and its metrics carry that pool's prefix."""
+    be, pool = metered()
+    write_pages(be, pool, ["p0"], [0])
+    be.refresh_metrics(force=True)
+    first = be.store.ssd.prefix
+    assert _sample(be, "flatcake_pages_written_total", medium="ssd") == 1
+    other = make_pool(page_size=pool.page_size * 2)
+    be.register_mem_pool_host(other)
+    assert be.store.ssd.prefix != first
+    write_pages(be, other, ["q0", "q1"], [0, 1])
+    be.refresh_metrics(force=True)
+    assert _sample(be, "flatcake_pages_written_total", medium="ssd") == 2  # under the new pool label
+    assert be.prometheus_registry.get_sample_value(
+        "flatcake_pages_written_total", {**_labels(be, medium="ssd"), "pool": first}) == 1
 
 def test_metrics_off_exports_nothing(make_backend):
     prom = pytest.importorskip("prometheus_client")
