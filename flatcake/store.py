@@ -378,12 +378,14 @@ class PageStore:
             with self.scopes.lock:
                 seen = set()
                 for k in keys:
-                    e = self.index.get(k)
+                    e = (self.queue.lookup(k) if self.queue is not None else None) or self.index.get(k)
                     if e is None or id(e.scope) in seen or e.scope.retired or e.scope.doomed:
                         continue
                     seen.add(id(e.scope))
                     self.scopes.drop_locked(e.scope)
                     dropped += 1
+            if dropped and self.queue is not None:  # their queued rounds are never written
+                self.queue.discard_dead()
         except Exception as e:
             self.errors("drop keys", e)
         return dropped

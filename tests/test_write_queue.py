@@ -383,3 +383,35 @@ def test_the_backlog_and_dwpd_are_exported_as_flatcake_metrics(ssd_dir):
     assert reg.get_sample_value("flatcake_ssd_dwpd", labels) == snap["ssd_dwpd"] > 0
     assert reg.get_sample_value("flatcake_write_deferred_seconds_total", labels) == snap["write_deferred_s"] > 0
     store.close()
+
+
+def test_drop_keys_drops_a_scope_whose_pages_are_all_still_queued(ssd_dir):
+    store, pool, lay = make_store(ssd_dir, **BACKLOG)
+    store.queue.reads_begin()
+    keys = keys_of("v", 2)
+    put_pages(store, pool, lay, keys, [0, 1])
+    assert store.drop_keys(["v1"]) == 1
+    assert store.leading_run(keys) == 0 and store.snapshot_stats()["write_backlog_discarded_rounds"] == 1
+    store.queue.reads_end()
+    assert store.queue.flush(30)
+    assert rounds_in_journal(store) == [] and store.ssd.used_bytes == 0 and store.snapshot_stats()["ssd_write_bytes"] == 0
+    store.close()
+
+
+def test_a_session_queued_round_by_round_stays_one_scope_and_a_repeated_put_writes_once(ssd_dir):
+    store, pool, lay = make_store(ssd_dir, **BACKLOG)
+    store.queue.reads_begin()
+    first, second = ["s0", "s1"], ["s2", "s3"]
+    put_pages(store, pool, lay, first, [0, 1])
+    put_pages(store, pool, lay, second, [2, 3], prefix=first)  # joins the queued round's scope
+    assert put_pages(store, pool, lay, first, [0, 1]) == [True, True]  # already held: not queued again
+    assert store.snapshot_stats()["queued_rounds"] == 2
+    sid = store.page_info("s0").scope_id
+    assert store.page_info("s3").scope_id == sid
+    store.queue.reads_end()
+    assert store.queue.flush(30)
+    assert [(e.scope_id, e.seq) for e in rounds_in_journal(store)] == [(sid, 0), (sid, 1)]
+    a, b = store.page_info("s1"), store.page_info("s2")
+    assert b.gva - a.gva > 0 and b.file_index == a.file_index  # back to back at the scope's tail
+    assert store.snapshot_stats()["pages_written_ssd"] == 4
+    store.close()
