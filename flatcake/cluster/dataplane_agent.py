@@ -29,7 +29,7 @@ from typing import Optional
 import numpy as np
 import xxhash
 
-from flatcake.gva.address import MEDIUM_DRAM, MEDIUM_SSD, encode_gva, medium_of
+from flatcake.gva.address import MEDIUM_DRAM, MEDIUM_SSD, encode_gva
 
 COMMANDS = {"start", "write_dram", "write_ssd", "overwrite_dram", "wait", "resolve", "read", "raw_read",
             "publish_meta", "set_piece_delay", "stats", "close"}
@@ -48,7 +48,6 @@ class DataPlaneAgent:
         self.node = None
         self.handles: dict[int, list] = {}
         self.slot_of: dict[str, int] = {}
-        self.descs: dict[int, object] = {}
         self.ssd_used = 0
 
     def start(self, host: str, config: dict, layers: int, chunk_bytes: int, dram_pages: int, ssd_dir: str,
@@ -60,7 +59,10 @@ class DataPlaneAgent:
         from flatcake.cluster.remote_dram import RemoteDramReader, export_dram
         from flatcake.cluster.remote_ssd import SsdOwnerServer
         from flatcake.cluster.remote_ssd_reader import RemoteSsdReader
-        from flatcake.cluster.transfer import DataPlaneDescriptor, TransferEndpoint, publish_descriptor
+        from flatcake.cluster.etcd import EtcdSession
+        from flatcake.cluster.peers import DescriptorKeeper, PeerDirectory
+        from flatcake.cluster.remote import RemoteReader
+        from flatcake.cluster.transfer import DataPlaneDescriptor, TransferEndpoint
         from flatcake.config import DramConfig, load_config
         from flatcake.media.dram import DramRegion
 
@@ -83,7 +85,10 @@ class DataPlaneAgent:
         self.out_buf = np.ones((max(1, landing_bytes // self.page_bytes), self.page_bytes), dtype=np.uint8)
         self.node = ClusterNode(cfg.cluster, cfg.node_id).start()
         desc = DataPlaneDescriptor(cfg.node_id, self.ep.address, dram_addr, dram_bytes, self.server.endpoint_url)
-        publish_descriptor(self.node.session, cfg.cluster.prefix, desc, self.node.lease_id())
+        self.keeper = DescriptorKeeper(EtcdSession(cfg.cluster.etcd, cfg.cluster.timeout_s), cfg.cluster.prefix, desc,
+                                       self.node.lease_id, interval_s=cfg.cluster.lease_ttl_s / 3).start()
+        self.peers = PeerDirectory(EtcdSession(cfg.cluster.etcd, cfg.cluster.timeout_s), cfg.cluster.prefix)
+        self.reader = RemoteReader(self.peers, self.dram_reader, self.ssd_reader)
         return {"te": self.ep.address, "ssd_rpc": self.server.endpoint_url}
 
     def write_dram(self, scope: int, seq: int, keys: list, seed: int) -> dict:
@@ -151,46 +156,21 @@ class DataPlaneAgent:
         self.handles[h] = pages
         return {"handle": h, "found": sum(p is not None for p in pages)}
 
-    def _desc(self, node: int):
-        from flatcake.cluster.transfer import lookup_descriptor
-
-        if node not in self.descs:
-            self.descs[node] = lookup_descriptor(self.node.session, self.cluster_cfg.prefix, node)
-        return self.descs[node]
-
     def read(self, handle: Optional[int] = None, keys: Optional[list] = None, data: bool = False) -> dict:
-        """Read the pages of ``handle`` (or look ``keys`` up now) from their owners. Reply: ``hit``
-        (bools), ``misses`` (by cause), ``elapsed_s`` (seconds inside the remote readers), ``bytes``
-        read, ``data`` (base64 of each page hit, None for a miss) when asked."""
+        """Read the pages of ``handle`` (or look ``keys`` up now) from their owners
+        (:class:`~flatcake.cluster.remote.RemoteReader`). Reply: ``hit`` (bools), ``misses`` (by
+        cause), ``elapsed_s`` (seconds in the reader), ``bytes`` read, ``data`` (base64 of each page
+        hit, None for a miss) when asked."""
         pages = self.handles[handle] if handle is not None else self.node.index.lookup(keys)
-        hit = np.zeros(len(pages), dtype=bool)
-        misses: dict = {"not_in_view": 0}
-        groups: dict = {}
-        for i, p in enumerate(pages):
-            if p is None:
-                misses["not_in_view"] += 1
-            else:
-                groups.setdefault((p.node, medium_of(p.gva)), []).append(i)
-        elapsed, results = 0.0, []
-        for (node, medium), idx in groups.items():
-            reader = self.dram_reader if medium == MEDIUM_DRAM else self.ssd_reader
-            desc = self._desc(node)
-            t0 = time.perf_counter()
-            out = self.out_buf if len(results) == 0 and len(idx) <= len(self.out_buf) else None
-            res = reader.read(desc, [pages[i] for i in idx], self.layers, self.chunk_bytes, out)
-            elapsed += time.perf_counter() - t0
-            hit[idx] = res.hit
-            results.append((idx, res))
-            for k, v in res.misses.items():
-                misses[k] = misses.get(k, 0) + v
-        reply = {"hit": hit.tolist(), "misses": misses, "elapsed_s": elapsed, "bytes": int(hit.sum()) * self.page_bytes}
+        out = self.out_buf if len(pages) <= len(self.out_buf) else None
+        t0 = time.perf_counter()
+        res = self.reader.read(pages, self.layers, self.chunk_bytes, out)
+        elapsed = time.perf_counter() - t0
+        reply = {"hit": res.hit.tolist(), "misses": res.misses, "elapsed_s": elapsed,
+                 "bytes": int(res.hit.sum()) * self.page_bytes}
         if data:
-            out: list = [None] * len(pages)
-            for idx, res in results:
-                for j, i in enumerate(idx):
-                    if res.hit[j]:
-                        out[i] = base64.b64encode(res.data[j].tobytes()).decode()
-            reply["data"] = out
+            reply["data"] = [base64.b64encode(res.data[i].tobytes()).decode() if h else None
+                             for i, h in enumerate(res.hit)]
         return reply
 
     def raw_read(self, handle: int) -> dict:
@@ -200,7 +180,7 @@ class DataPlaneAgent:
         from flatcake.cluster.remote_dram import transfer_list
 
         pages = self.handles[handle]
-        desc = self._desc(pages[0].node)
+        desc = self.peers.get(pages[0].node)
         land = self.dram_reader.landing
         per = max(1, land.nbytes // self.page_bytes)
         t0 = time.perf_counter()
@@ -234,6 +214,7 @@ class DataPlaneAgent:
     def close(self) -> dict:
         """Leave the cluster (revoke the lease), stop the server, remove the pool file."""
         if self.node is not None:
+            self.keeper.close()
             self.node.close()
             self.node = None
             self.server.close()

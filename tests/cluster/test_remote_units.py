@@ -87,3 +87,92 @@ def test_dram_region_exposes_its_address_and_size():
     r = DramRegion(DramConfig(capacity_bytes=10 * 4096, pin="off"), 4096)
     assert r.region_address() == r.slots.data_ptr()
     assert r.region_bytes() == 10 * 4096
+
+
+class _FakeSession:
+    """get/put of an in-memory key space (what PeerDirectory and DescriptorKeeper use)."""
+
+    def __init__(self):
+        self.kv, self.gets, self.puts = {}, 0, []
+
+    def get(self, key):
+        self.gets += 1
+        return self.kv.get(key)
+
+    def put(self, key, value, lease=0):
+        self.puts.append((key, lease))
+        self.kv[key] = value
+        return len(self.puts)
+
+
+def test_peer_directory_caches_forgets_after_a_failure_and_backs_off_an_absent_node():
+    from flatcake.cluster.peers import PeerDirectory
+
+    s, now = _FakeSession(), [100.0]
+    d = DataPlaneDescriptor(3, "10.78.0.12:15000", 4096, 1 << 20, "tcp://10.78.0.12:5601")
+    peers = PeerDirectory(s, "/fc", retry_s=1.0, clock=lambda: now[0])
+    assert peers.get(3) is None and s.gets == 1  # absent
+    s.kv[descriptor_key("/fc", 3)] = d.encode()
+    assert peers.get(3) is None and s.gets == 1  # not asked again within retry_s
+    now[0] += 1.5
+    assert peers.get(3) == d and peers.get(3) == d and s.gets == 2  # found, then cached
+    moved = DataPlaneDescriptor(3, "10.78.0.12:16000", 8192, 1 << 20, "tcp://10.78.0.12:5601")
+    s.kv[descriptor_key("/fc", 3)] = moved.encode()  # the owner restarted elsewhere
+    peers.invalidate(3)
+    assert peers.get(3) == moved and s.gets == 3
+
+
+def test_descriptor_keeper_publishes_again_on_a_new_lease():
+    from flatcake.cluster.peers import DescriptorKeeper
+
+    s, lease = _FakeSession(), [7]
+    d = DataPlaneDescriptor(2, "10.78.0.11:15000", 4096, 1 << 20, "")
+    k = DescriptorKeeper(s, "/fc", d, lambda: lease[0], interval_s=3600).start()
+    try:
+        k.check()  # same lease, key present: nothing
+        lease[0] = 9  # the node lost its lease and took a new one
+        k.check()
+        del s.kv[descriptor_key("/fc", 2)]  # gone (e.g. etcd restored without it)
+        k.check()
+    finally:
+        k.close()
+    assert s.puts == [("/fc/dataplane/0002", 7), ("/fc/dataplane/0002", 9), ("/fc/dataplane/0002", 9)]
+    assert DataPlaneDescriptor.decode(s.kv["/fc/dataplane/0002"]) == d
+
+
+def test_remote_reader_routes_by_node_and_medium_and_merges_the_results():
+    from flatcake.cluster.peers import PeerDirectory
+    from flatcake.cluster.remote import RemoteReader
+    from flatcake.cluster.transfer import RemoteReadResult
+
+    class Fake:
+        def __init__(self, fill, fail=False):
+            self.fill, self.fail, self.calls = fill, fail, []
+
+        def read(self, desc, pages, layers, chunk_bytes, out=None):
+            self.calls.append((desc.node if desc else None, [p.gva for p in pages]))
+            res = RemoteReadResult.empty(len(pages), layers * chunk_bytes, out)
+            if self.fail:
+                res.misses["failed"] = len(pages)
+            else:
+                res.data[:] = self.fill
+                res.hit[:] = True
+            return res
+
+    s = _FakeSession()
+    for n in (1, 2):
+        s.kv[descriptor_key("/fc", n)] = DataPlaneDescriptor(n, f"h{n}:1").encode()
+    dram, ssd = Fake(0xD), Fake(0x5, fail=True)
+    peers = PeerDirectory(s, "/fc")
+    r = RemoteReader(peers, dram, ssd)
+    pg = [RemotePage(1, encode_gva(MEDIUM_DRAM, 1, 0), 0, 8, None, "k"), None,
+          RemotePage(2, encode_gva(MEDIUM_SSD, 2, 4096), 0, 8, None, "k"),
+          RemotePage(1, encode_gva(MEDIUM_DRAM, 1, 16), 0, 8, None, "k")]
+    res = r.read(pg, 2, 8)
+    assert res.hit.tolist() == [True, False, False, True]
+    assert res.data[0].tolist() == [0xD] * 16 and res.data[3].tolist() == [0xD] * 16
+    assert res.misses["not_in_view"] == 1 and res.misses["failed"] == 1
+    assert dram.calls == [(1, [pg[0].gva, pg[3].gva])] and ssd.calls == [(2, [pg[2].gva])]
+    gets = s.gets
+    r.read(pg[2:3], 2, 8)  # node 2's descriptor was dropped after its failed read: looked up again
+    assert s.gets == gets + 1

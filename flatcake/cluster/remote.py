@@ -1,0 +1,92 @@
+"""One entry point for reading other nodes' pages: route each page by its GVA (node, medium) to
+the remote DRAM or remote SSD reader (paper §3.1: the GVA's node and medium fields are the route).
+
+Lifecycle of a remote read::
+
+    pages from the cluster view (None where no node has the key)
+      -> grouped by (owner node, medium), each group read from its owner
+         (descriptor from the PeerDirectory; DRAM: RemoteDramReader, SSD: RemoteSsdReader)
+      -> a group that failed (owner gone, cut off, restarted) drops the owner's cached descriptor
+      -> one RemoteReadResult: hit/miss per page, misses by cause
+
+Never raises for an I/O fault; a miss is a miss whatever its cause.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import numpy as np
+
+from flatcake.cluster.peers import PeerDirectory
+from flatcake.cluster.records import RemotePage
+from flatcake.cluster.remote_dram import RemoteDramReader
+from flatcake.cluster.remote_ssd_reader import RemoteSsdReader
+from flatcake.cluster.transfer import RemoteReadResult
+from flatcake.gva.address import MEDIUM_DRAM, MEDIUM_SSD, medium_of
+
+#: miss causes that make the owner's descriptor suspect (looked up again before the next read)
+SUSPECT = ("failed", "timeout", "unknown_owner")
+
+
+class RemoteReader:
+    """Reads pages of any other node, any medium.
+
+    Args:
+        peers: the descriptors of the other nodes.
+        dram: the remote DRAM reader; ssd: the remote SSD reader (None: SSD pages are misses).
+    """
+
+    def __init__(self, peers: PeerDirectory, dram: RemoteDramReader, ssd: Optional[RemoteSsdReader] = None):
+        self.peers, self.dram, self.ssd = peers, dram, ssd
+
+    def read(self, pages: Sequence[Optional[RemotePage]], layers: int, chunk_bytes: int,
+             out: Optional[np.ndarray] = None) -> RemoteReadResult:
+        """Read ``pages`` (None entries are misses, counted as ``not_in_view``).
+
+        Args:
+            pages: ``[n]`` from :meth:`flatcake.cluster.index.ClusterIndex.lookup`.
+            layers, chunk_bytes: the page geometry.
+            out: optional uint8 ``[>= n, layers * chunk_bytes]`` for the pages' bytes.
+
+        Returns:
+            :class:`RemoteReadResult` ``[n]`` with ``misses`` also holding ``not_in_view``.
+
+        Raises:
+            ValueError: ``out`` has the wrong shape.
+        """
+        page_bytes = layers * chunk_bytes
+        res = RemoteReadResult.empty(len(pages), page_bytes, out)
+        res.misses["not_in_view"] = 0
+        groups: dict[tuple[int, int], list[int]] = {}
+        for i, p in enumerate(pages):
+            if p is None:
+                res.misses["not_in_view"] += 1
+            else:
+                groups.setdefault((p.node, medium_of(p.gva)), []).append(i)
+        for (node, medium), idx in groups.items():
+            whole = len(idx) == len(pages)  # one group in order: read straight into res.data
+            part = self._read_group(node, medium, [pages[i] for i in idx], layers, chunk_bytes,
+                                    res.data if whole else None)
+            if whole:
+                res.hit[:] = part.hit
+            else:
+                res.hit[idx] = part.hit
+                sel = np.asarray(idx)[part.hit]
+                res.data[sel] = part.data[part.hit]
+            for k, v in part.misses.items():
+                res.misses[k] = res.misses.get(k, 0) + v
+            if any(part.misses.get(k) for k in SUSPECT):
+                self.peers.invalidate(node)
+        return res
+
+    def _read_group(self, node: int, medium: int, pages: list, layers: int, chunk_bytes: int,
+                    out: Optional[np.ndarray]) -> RemoteReadResult:
+        desc = self.peers.get(node)
+        if medium == MEDIUM_DRAM:
+            return self.dram.read(desc, pages, layers, chunk_bytes, out)
+        if medium == MEDIUM_SSD and self.ssd is not None:
+            return self.ssd.read(desc, pages, layers, chunk_bytes, out)
+        res = RemoteReadResult.empty(len(pages), layers * chunk_bytes, out)
+        res.misses["failed"] = len(pages)  # a medium this node cannot read remotely
+        return res
