@@ -59,6 +59,7 @@ def parse_args(argv=None):
     ap.add_argument("--backlog-mib", type=int, default=256, help="ssd.write_backlog_bytes with the policy on (MiB)")
     ap.add_argument("--passes", type=int, default=2, help="passes of each policy, alternating (default 2)")
     ap.add_argument("--dir", default=tempfile.gettempdir(), help="where the temporary pools go")
+    ap.add_argument("--no-raw", action="store_true", help="skip the raw O_DIRECT disk reference")
     ap.add_argument("--json", help="write the results here")
     a = ap.parse_args(argv)
     a.page_size = a.page_size or PROFILES[a.profile]["page_size"]
@@ -102,6 +103,7 @@ class Writer(threading.Thread):
         self.t0 = 0.0
 
     def run(self) -> None:
+        """Store sessions ``<tag>-w<s>-<i>`` from the source pages until stopped."""
         self.t0 = time.perf_counter()
         s = 0
         while s == 0 or not self.stop.is_set():  # at least one whole session
@@ -163,6 +165,59 @@ def one_pass(args, pool, policy: str, base: Path, idx: int) -> dict:
         shutil.rmtree(d, ignore_errors=True)
 
 
+def raw_disk(base: Path, nbytes: int = 512 << 20, block: int = 16 << 20) -> dict:
+    """The disk alone, without FlatCake's CPU work: O_DIRECT reads of ``nbytes`` in ``block``
+    pieces (GB/s) alone, then with one thread streaming O_DIRECT writes to another file at the
+    same time (read and write GB/s). Both files are removed."""
+    import mmap
+    import os
+
+    d = tempfile.mkdtemp(prefix="fc-mixed-raw-", dir=base)
+    try:
+        rpath, wpath = os.path.join(d, "r.bin"), os.path.join(d, "w.bin")
+        buf, wbuf = mmap.mmap(-1, block), mmap.mmap(-1, block)
+        buf.write(os.urandom(block))
+        wbuf.write(os.urandom(block))
+        fd = os.open(rpath, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)
+        wfd = os.open(wpath, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)
+        try:
+            for off in range(0, nbytes, block):
+                os.pwritev(fd, [buf], off)
+            os.fsync(fd)
+
+            def read_all() -> float:
+                """GB/s of one O_DIRECT pass over the read file."""
+                t = time.perf_counter()
+                for off in range(0, nbytes, block):
+                    os.preadv(fd, [buf], off)
+                return nbytes / (time.perf_counter() - t) / 1e9
+
+            alone = read_all()
+            stop, written = threading.Event(), [0]
+
+            def write_loop() -> None:
+                """O_DIRECT writes of ``block`` bytes, cycling over ``2 * nbytes``, until stopped."""
+                off = 0
+                while not stop.is_set():
+                    os.pwritev(wfd, [wbuf], off)
+                    off = (off + block) % (2 * nbytes)
+                    written[0] += block
+
+            w = threading.Thread(target=write_loop, daemon=True)
+            t0 = time.perf_counter()
+            w.start()
+            mixed = read_all()
+            stop.set()
+            w.join()
+            return {"read_alone_gbps": alone, "read_with_writes_gbps": mixed,
+                    "write_gbps": written[0] / (time.perf_counter() - t0) / 1e9}
+        finally:
+            os.close(fd)
+            os.close(wfd)
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
 def pool_page_bytes(pool) -> int:
     """Bytes of one page of ``pool`` on every layer."""
     from flatcake.layout import KvPageLayout
@@ -186,6 +241,10 @@ def main(argv=None) -> dict:
     pages = 2 * (args.read_tokens // P) + args.write_tokens // P
     pool, _ = make_host_pool(args.profile, pages * P, P, "page_first")
     base = Path(args.dir)
+    raw = None if args.no_raw else raw_disk(base)
+    if raw:
+        print(f"disk alone (O_DIRECT, 16 MiB, no FlatCake): read {raw['read_alone_gbps']:.2f} GB/s; with a writer "
+              f"streaming: read {raw['read_with_writes_gbps']:.2f} GB/s, write {raw['write_gbps']:.2f} GB/s", flush=True)
     alone = one_pass(args, pool, "alone", base, -1)
     print(f"reference: restores alone (no writer) read {alone['read_gbps']:.2f} GB/s in "
           f"{alone['restore_wall_s']:.2f} s", flush=True)
