@@ -31,7 +31,7 @@ import xxhash
 
 from flatcake.gva.address import MEDIUM_DRAM, MEDIUM_SSD, encode_gva
 
-COMMANDS = {"start", "write_dram", "write_ssd", "overwrite_dram", "wait", "resolve", "read", "raw_read",
+COMMANDS = {"start", "write_dram", "write_ssd", "overwrite_dram", "churn_dram", "wait", "resolve", "read", "raw_read",
             "publish_meta", "set_piece_delay", "stats", "close"}
 
 
@@ -114,6 +114,29 @@ class DataPlaneAgent:
         for k in keys:
             arr[self.slot_of[k]] = page_data(seed, k, self.page_bytes)
         return {}
+
+    def churn_dram(self, keys: list, seed: int, other_seed: int, seconds: float) -> dict:
+        """For ``seconds``, on a thread, keep rewriting the slots of ``keys`` alternately with the
+        bytes of ``other_seed`` and of ``seed`` (slots reclaimed and reused while others read them;
+        no publication). Returns at once. Reply: ``started``."""
+        import threading
+
+        arr = self.region.slots.numpy()
+        versions = [[page_data(sd, k, self.page_bytes) for k in keys] for sd in (other_seed, seed)]
+        slots = [self.slot_of[k] for k in keys]
+
+        def run():
+            end = time.monotonic() + seconds
+            n = 0
+            while time.monotonic() < end:
+                for s, page in zip(slots, versions[n % 2]):
+                    arr[s] = page
+                n += 1
+            for s, page in zip(slots, versions[1]):
+                arr[s] = page
+
+        threading.Thread(target=run, name="churn", daemon=True).start()
+        return {"started": True}
 
     def write_ssd(self, scope: int, seq: int, keys: list, seed: int) -> dict:
         """Append one layer-major round (chunk (p, l) at base + (l * n + p) * chunk_bytes) to the

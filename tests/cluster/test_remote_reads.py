@@ -108,6 +108,27 @@ def test_a_page_overwritten_on_a_after_b_looked_it_up_is_a_miss_never_the_new_by
     assert [_data(got, i) for i in (0, 1, 5, 6, 7)] == [page_data(21, keys[i], PAGE).tobytes() for i in (0, 1, 5, 6, 7)]
 
 
+def test_slots_rewritten_on_a_while_b_reads_them_give_the_published_bytes_or_misses_never_others(pair):
+    cluster, (a, b) = pair
+    keys = _keys("churn", 8)
+    a.must("write_dram", scope=8, seq=0, keys=keys, seed=51)
+    assert b.must("wait", keys=keys)["done"]
+    handle = b.must("resolve", keys=keys)["handle"]
+    a.must("churn_dram", keys=keys, seed=51, other_seed=52, seconds=2.0)
+    want = [page_data(51, k, PAGE).tobytes() for k in keys]
+    hits = mismatches = 0
+    for _ in range(30):
+        got = b.must("read", handle=handle, data=True)
+        for i, h in enumerate(got["hit"]):
+            if h:
+                assert _data(got, i) == want[i]  # whole and the published version, never torn or new
+        hits += sum(got["hit"])
+        mismatches += got["misses"]["mismatch"]
+        assert sum(got["hit"]) + got["misses"]["mismatch"] == 8
+    print(f"\n30 reads of 8 pages under rewrites: {hits} hits (published bytes), {mismatches} mismatches (misses)")
+    assert mismatches > 0  # the rewrites did land under the reads
+
+
 def test_a_cut_off_gives_b_misses_within_the_timeouts_and_reads_resume_after_the_link_heals(pair):
     cluster, (a, b) = pair
     dram, ssd = _keys("cutd", 8), _keys("cuts", 8)
