@@ -11,8 +11,8 @@ Each node namespace runs a cluster agent (flatcake.cluster.agent: a ClusterNode 
 with the namespaces, addresses and etcd endpoint. Everything is torn down by process id on exit,
 on SIGINT/SIGTERM and on any error; ``ip netns list`` is clean afterwards.
 
-The data plane (remote DRAM/SSD reads) is not built yet: the agents hold the index and the
-coordinator only.
+The agents hold the index and the coordinator only; the data plane (remote DRAM/SSD reads,
+flatcake.cluster.remote) runs in tests/cluster/test_remote_reads.py and scripts/bench_cluster.py.
 """
 
 from __future__ import annotations
