@@ -34,7 +34,7 @@ import torch
 
 from flatcake.align import align_down, align_up
 from flatcake.cio import xxh3_bulk
-from flatcake.cio.pagecopy import chunk_checksums, gather_pages
+from flatcake.cio.pagecopy import chunk_checksums, gather_layers, gather_pages
 from flatcake.config import STORAGE_BATCH_PAGES
 from flatcake.gva.address import MEDIUM_DRAM, MEDIUM_SSD, encode_gva
 from flatcake.gva.index import PageEntry
@@ -172,18 +172,18 @@ class WritePath:
 
     def _gather_layers(self, plc: Placement, layout: KvPageLayout, data: torch.Tensor, l0: int, l1: int) -> None:
         """Copy layers ``l0..l1-1`` of the round's chunks into ``data`` (uint8 ``[layers, n,
-        chunk_bytes]``, layer-major): one vectorized copy per (layer, plane)
-        (:func:`~flatcake.cio.pagecopy.gather_pages`)."""
+        chunk_bytes]``, layer-major): one vectorized copy per plane for those layers
+        (:func:`~flatcake.cio.pagecopy.gather_layers`; per layer through a device buffer on CUDA)."""
         g = self.geometry
         n = len(plc.keys)
         src = np.asarray(plc.src_pages, dtype=np.int64)
+        if layout.device.type == "cpu":
+            gather_layers(layout, src, l0, l1, data[l0:l1])
+            return
         for layer in range(l0, l1):
-            if layout.device.type == "cpu":
-                gather_pages(layout, src, layer, data[layer])
-            else:
-                tmp = torch.empty((n, g.chunk_bytes), dtype=torch.uint8, device=layout.device)
-                gather_pages(layout, src, layer, tmp)
-                data[layer].copy_(tmp)
+            tmp = torch.empty((n, g.chunk_bytes), dtype=torch.uint8, device=layout.device)
+            gather_pages(layout, src, layer, tmp)
+            data[layer].copy_(tmp)
 
     def _write_data(self, plc: Placement, layout: KvPageLayout, view: memoryview, arr: np.ndarray) -> tuple:
         """Gather, checksum and write header | data (``view[:record_offset]``), pipelined: each

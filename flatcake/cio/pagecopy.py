@@ -90,6 +90,55 @@ def gather_pages(layout, page_ids, layer: int, out: torch.Tensor) -> None:
             dst[...] = src[ids]
 
 
+def _plane_stack(layout, plane: int, l0: int, l1: int):
+    """uint8 numpy ``[num_pages, l1 - l0, page_size, row_bytes]`` view of plane ``plane`` over
+    layers ``l0..l1-1`` of a CPU layout, or ``None`` when those layers' views are not equally
+    spaced slices of one buffer (then the caller copies layer by layer)."""
+    ts = [layout.layer_planes(layer)[plane] for layer in range(l0, l1)]
+    a = ts[0]
+    step = ts[1].data_ptr() - a.data_ptr() if len(ts) > 1 else 0
+    for k, t in enumerate(ts):
+        if t.data_ptr() != a.data_ptr() + k * step or t.stride() != a.stride() or t.shape != a.shape:
+            return None
+    base = a.numpy()
+    return np.lib.stride_tricks.as_strided(base, (base.shape[0], l1 - l0, base.shape[1], base.shape[2]),
+                                           (base.strides[0], step, base.strides[1], base.strides[2]))
+
+
+def gather_layers(layout, page_ids, l0: int, l1: int, out: torch.Tensor) -> None:
+    """Copy layers ``l0..l1-1`` of pages ``page_ids`` into ``out`` (uint8 ``[l1 - l0, n,
+    chunk_bytes]``, layer-major, each row contiguous): one numpy copy per plane for all the
+    layers where the layout's layers are equally spaced in one buffer (every SGLang host
+    layout), so a round takes a few GIL-free steps instead of one per (layer, plane); else, and
+    on CUDA, :func:`gather_pages` per layer. Bit-exact with :func:`gather_pages`.
+
+    Raises:
+        IndexError: a page id outside the layout (a caller bug).
+    """
+    g = layout.geometry
+    ids = _ids(page_ids, layout.num_pages)
+    n = ids.shape[0]
+    if n == 0 or l1 <= l0:
+        return
+    stacks = [_plane_stack(layout, j, l0, l1) for j in range(len(g.plane_row_bytes))] \
+        if out.device.type == "cpu" else [None]
+    if any(st is None for st in stacks):
+        for k, layer in enumerate(range(l0, l1)):
+            gather_pages(layout, ids, layer, out[k])
+        return
+    on, P, lr = out.numpy(), g.page_size, l1 - l0
+    for st, off, rb in zip(stacks, g.plane_offsets(), g.plane_row_bytes):
+        item = np.dtype((np.void, rb))
+        src = st.view(item)[..., 0]  # [pages, lr, P]
+        d = on[:, :, off: off + P * rb]
+        dst = np.lib.stride_tricks.as_strided(d, (lr, n, P, rb), (d.strides[0], d.strides[1], rb, 1))
+        dst = dst.view(item)[..., 0].transpose(1, 0, 2)  # [n, lr, P]
+        if _consecutive(ids):
+            dst[...] = src[int(ids[0]): int(ids[0]) + n]
+        else:
+            dst[...] = src[ids]
+
+
 def scatter_pages(layout, src: torch.Tensor, page_ids, layer: int) -> None:
     """Inverse of :func:`gather_pages`: chunk rows ``src`` (uint8 ``[n, chunk_bytes]``, each row
     contiguous, on ``layout.device``) into the ``layer`` slots of pages ``page_ids``.
@@ -139,4 +188,4 @@ def checksums_at(host: np.ndarray, starts: Sequence[int], chunk_bytes: int) -> n
     return xxh3_at(host, starts, chunk_bytes)
 
 
-__all__ = ["checksums_at", "chunk_checksums", "gather_pages", "scatter_pages"]
+__all__ = ["checksums_at", "chunk_checksums", "gather_layers", "gather_pages", "scatter_pages"]

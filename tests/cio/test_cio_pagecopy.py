@@ -111,3 +111,37 @@ def test_store_round_trip_bit_exact(tmp_path, mla, layout, page_size, dram):
             assert int(pool.get_data_page(p * page_size, flat=True).view(torch.uint8).count_nonzero()) == 0
     finally:
         store.close()
+
+
+@pytest.mark.parametrize("kind,layout,page_size", CASES)
+def test_gather_layers_matches_per_layer_gathers(kind, layout, page_size):
+    from flatcake.cio.pagecopy import _plane_stack, gather_layers
+
+    pool, lay = _pool(kind, layout, page_size)
+    cb = lay.geometry.chunk_bytes
+    assert _plane_stack(lay, 0, 0, LAYERS) is not None  # every host layout: one copy per plane
+    for ids in ([3, 4, 5, 6], [9, 0, 7, 2, 2]):
+        for l0, l1 in ((0, LAYERS), (1, 3), (2, 3)):
+            want = torch.zeros((l1 - l0, len(ids), cb), dtype=torch.uint8)
+            for k, layer in enumerate(range(l0, l1)):
+                lay.gather_chunks(torch.tensor(ids), layer, want[k])
+            got = torch.zeros((LAYERS, len(ids), cb), dtype=torch.uint8)
+            gather_layers(lay, ids, l0, l1, got[l0:l1])
+            assert torch.equal(got[l0:l1], want)
+            assert int(got[:l0].count_nonzero()) == 0 and int(got[l1:].count_nonzero()) == 0
+
+
+def test_gather_layers_falls_back_per_layer_for_unevenly_spaced_layers():
+    from flatcake.cio.pagecopy import _plane_stack, gather_layers
+
+    ks = [torch.randint(0, 256, (8, 2, 16), dtype=torch.uint8).view(torch.bfloat16) for _ in range(3)]
+    vs = [torch.randint(0, 256, (8, 2, 16), dtype=torch.uint8).view(torch.bfloat16) for _ in range(3)]
+    lay = KvPageLayout.from_device_kv(ks, vs, page_size=2)  # separate tensors per layer
+    assert _plane_stack(lay, 0, 0, 3) is None
+    cb = lay.geometry.chunk_bytes
+    want = torch.zeros((3, 2, cb), dtype=torch.uint8)
+    for layer in range(3):
+        lay.gather_chunks(torch.tensor([3, 1]), layer, want[layer])
+    got = torch.zeros((3, 2, cb), dtype=torch.uint8)
+    gather_layers(lay, [3, 1], 0, 3, got)
+    assert torch.equal(got, want)
