@@ -230,7 +230,7 @@ class Backup:
                                    f"{q.backlog_limit} within {self.backlog_wait_s} s; the put fails")
                 return 0
         try:
-            prep = prepare_round(plc, layout, self.geometry, self.writer.namespace, self.node)
+            prep = prepare_round(plc, layout, self.geometry, self.writer.namespace, self.node, q.take_buffer())
         except Exception as e:
             self.errors("write", e)
             self._give_back(plc)

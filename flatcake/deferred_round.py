@@ -66,8 +66,10 @@ class PreparedRound:
         return arr.reshape(L, n, self.chunk_bytes)
 
 
-def prepare_round(plc, layout: KvPageLayout, geometry: PageGeometry, namespace: str, node: int) -> PreparedRound:
-    """Gather round ``plc`` (SSD placement) from ``layout`` into a new aligned buffer: round
+def prepare_round(plc, layout: KvPageLayout, geometry: PageGeometry, namespace: str, node: int,
+                  buf: Optional[AlignedBuffer] = None) -> PreparedRound:
+    """Gather round ``plc`` (SSD placement) from ``layout`` into ``buf`` (grown as needed; a new
+    aligned buffer when ``None``; nobody else may use it until the round is done): round
     header, layer-major data (one vectorized copy per layer), zero padding, record.
 
     Raises:
@@ -76,7 +78,7 @@ def prepare_round(plc, layout: KvPageLayout, geometry: PageGeometry, namespace: 
     """
     g, lay = geometry, plc.layout
     n, cb, L = lay.n_pages, geometry.chunk_bytes, geometry.layers
-    buf = AlignedBuffer(lay.total_bytes)
+    buf = buf if buf is not None else AlignedBuffer()
     view = buf.reserve(lay.total_bytes)
     arr = np.frombuffer(view, dtype=np.uint8, count=lay.total_bytes)
     view[: fmt.BLOCK] = fmt.pack_round_header(lay, plc.seq, plc.scope.scope_id, plc.nonce)

@@ -298,6 +298,8 @@ class PageStore:
             return [False] * len(keys)
         finally:
             self.scopes.unpin(entries)
+            if self.queue is not None:  # queued pages: their round's buffer may be reused now
+                self.queue.release(entries)
             if unreadable is not None:
                 self._drop_unreadable(unreadable)
 

@@ -9,6 +9,7 @@ import time
 
 import numpy as np
 import pytest
+import torch
 from flatcake_testkit import fill_page, make_store, page_matches, put_pages
 
 from flatcake.deferred_round import PreparedRound, write_prepared
@@ -117,6 +118,7 @@ def test_a_queued_page_is_a_hit_and_reads_bit_exact_from_its_in_memory_copy(ssd_
     entries = store.queue.pin_leading_run(keys, store.index)
     assert [e.gva >> 60 for e in entries] == [MEDIUM_SSD, MEDIUM_SSD, MEDIUM_QUEUED, MEDIUM_QUEUED]
     store.scopes.unpin(entries)
+    store.queue.release(entries)
     assert store.get(keys, lay, [30, 31, 32, 33]) == [True] * 4  # SSD pages restored, queued ones copied
     for i, k in enumerate(keys):
         assert page_matches(pool, (30 + i) * pool.page_size, k)
@@ -310,9 +312,10 @@ class _Job:
         self.prepared = type("R", (), {"layout": type("L", (), {"total_bytes": nbytes})()})()
         self.parent = None
         self.enqueued_s = 0.0
+        self.readers, self.done = 0, False
 
     keys = property(lambda self: self.plc.keys)
-    nbytes = property(lambda self: self.prepared.layout.total_bytes)
+    nbytes = 4096
     alive = property(lambda self: True)
 
 
@@ -414,4 +417,28 @@ def test_a_session_queued_round_by_round_stays_one_scope_and_a_repeated_put_writ
     a, b = store.page_info("s1"), store.page_info("s2")
     assert b.gva - a.gva > 0 and b.file_index == a.file_index  # back to back at the scope's tail
     assert store.snapshot_stats()["pages_written_ssd"] == 4
+    store.close()
+
+
+def test_a_written_rounds_buffer_is_reused_only_after_its_last_reader_is_done(ssd_dir):
+    store, pool, lay = make_store(ssd_dir, **BACKLOG)
+    q = store.queue
+    q.reads_begin()
+    put_pages(store, pool, lay, keys_of("u"), [0, 1])
+    entries = q.pin_leading_run(keys_of("u"), store.index)  # a read copying from the buffer
+    job = entries[0].job
+    buf = job.prepared.buf
+    q.reads_end()
+    assert q.flush(30) and store.medium_of("u0") == "ssd"  # written and published meanwhile
+    assert job.done and job.readers == 2
+    other = q.take_buffer()
+    assert other is not buf  # still in use by the read
+    rows = job.chunks(1, [0, 1])  # the read goes on from the round's buffer, bit-exact
+    store.get(keys_of("u"), lay, [10, 11])  # (the same pages from SSD, for comparison)
+    ref = torch.empty_like(rows)
+    lay.gather_chunks(torch.tensor([10, 11]), 1, ref)
+    assert torch.equal(rows, ref)
+    store.scopes.unpin(entries)
+    q.release(entries)
+    assert q.take_buffer() is buf  # given back once the last reader ended
     store.close()
