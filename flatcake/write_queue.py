@@ -248,16 +248,17 @@ class WriteQueue:
 
     # ================================================================ backup thread
     def has_room(self, nbytes: int) -> bool:
-        """True when a round of ``nbytes`` fits under the backlog bound (or the queue is empty)."""
+        """True when a round of ``nbytes`` fits under the backlog bound (or the queue, the round
+        being written included, is empty)."""
         with self._cond:
-            return not self._closing and (not self._jobs or self._bytes + nbytes <= self.backlog_limit)
+            return not self._closing and (not self._bytes or self._bytes + nbytes <= self.backlog_limit)
 
     def wait_for_room(self, nbytes: int, timeout_s: float) -> bool:
         """Block until :meth:`has_room` (True) or ``timeout_s`` seconds passed / the queue
         closed (False)."""
         deadline = time.monotonic() + timeout_s
         with self._cond:
-            while not self._closing and self._jobs and self._bytes + nbytes > self.backlog_limit:
+            while not self._closing and self._bytes and self._bytes + nbytes > self.backlog_limit:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False
