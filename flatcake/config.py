@@ -332,6 +332,10 @@ class ClusterConfig(_Section):
     capacity_interval_s: float = Field(1.0, gt=0, description="seconds between free-space publications")
     timeout_s: float = Field(2.0, gt=0, description="seconds per etcd request")
     watch_idle_s: float = Field(10.0, gt=0, description="a silent index watch is re-opened after this many seconds")
+    remote_timeout_s: float = Field(2.0, gt=0, description="seconds a remote read waits for an owner (data plane)")
+    staging_slots: int = Field(2, ge=2, le=64, description="slots of the ring remote SSD reads are served through")
+    staging_slot_bytes: int = Field(16 << 20, ge=4096, le=1 << 30, description="bytes per staging slot")
+    landing_bytes: int = Field(64 << 20, ge=8192, le=1 << 34, description="registered buffer remote reads land in")
 
     @field_validator("etcd")
     @classmethod
@@ -362,6 +366,20 @@ class ClusterConfig(_Section):
 
         if v is not None and not _re.match(r"^([^/:\s]+|\[[0-9a-fA-F:]+\]):\d{1,5}$", v):
             raise ValueError(f"{v!r} is not host:port")
+        return v
+
+    @field_validator("staging_slot_bytes")
+    @classmethod
+    def _slot_bytes(cls, v: int) -> int:
+        if v % 4096:
+            raise ValueError(f"{v} is not a multiple of 4096 (O_DIRECT reads land in the slots)")
+        return v
+
+    @field_validator("landing_bytes")
+    @classmethod
+    def _landing_bytes(cls, v: int) -> int:
+        if v % 8192:
+            raise ValueError(f"{v} is not a multiple of 8192 (two 4 KiB-aligned halves)")
         return v
 
     @property

@@ -51,11 +51,13 @@ def _start(cluster, root, args):
 
     page = args.layers * args.chunk_kib * 1024
     nodes = [DataPlaneClient(cluster, i) for i in range(2)]
+    plane = {"cluster.staging_slots": args.slots, "cluster.staging_slot_bytes": args.slot_mib << 20,
+             "cluster.landing_bytes": -(-max(args.slot_mib << 20, args.pages * page) // 8192) * 8192,
+             "cluster.remote_timeout_s": 5.0}
     for i, n in enumerate(nodes):
-        n.send("start", host=cluster.node_address(i), config=node_config(cluster.etcd_endpoint, i + 1, ttl_s=5),
-               layers=args.layers, chunk_bytes=args.chunk_kib * 1024, dram_pages=args.pages, ssd_dir=str(root),
-               file_bytes=max(64 << 20, 2 * args.pages * page), slot_bytes=args.slot_mib << 20, slots=args.slots,
-               landing_bytes=max(args.slot_mib << 20, args.pages * page), timeout_s=5.0)
+        cfg = node_config(cluster.etcd_endpoint, i + 1, ttl_s=5, advertise=f"{cluster.node_address(i)}:5601", extra=plane)
+        n.send("start", config=cfg, layers=args.layers, chunk_bytes=args.chunk_kib * 1024, dram_pages=args.pages,
+               ssd_dir=str(root), file_bytes=max(64 << 20, 2 * args.pages * page))
     for n in nodes:
         n.reply()  # raises with the agent's error when it failed
     return nodes

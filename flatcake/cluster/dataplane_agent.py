@@ -50,46 +50,31 @@ class DataPlaneAgent:
         self.slot_of: dict[str, int] = {}
         self.ssd_used = 0
 
-    def start(self, host: str, config: dict, layers: int, chunk_bytes: int, dram_pages: int, ssd_dir: str,
-              file_bytes: int = 64 << 20, slot_bytes: int = 1 << 20, landing_bytes: int = 8 << 20,
-              timeout_s: float = 1.0, ssd_port: int = 5601, slots: int = 2) -> dict:
-        """Start the Transfer Engine, DRAM region, SSD pool file and server, readers and the
-        cluster node; publish the descriptor. Reply: ``te`` (address), ``ssd_rpc``."""
+    def start(self, config: dict, layers: int, chunk_bytes: int, dram_pages: int, ssd_dir: str,
+              file_bytes: int = 64 << 20) -> dict:
+        """Join the cluster and start the data plane (:class:`~flatcake.cluster.dataplane.DataPlane`)
+        on a DRAM region of ``dram_pages`` pages and one SSD pool file in ``ssd_dir``. ``config``:
+        FlatCake overrides (``node_id``, ``cluster.*`` incl. ``cluster.advertise`` and the data-plane
+        keys). Reply: ``te`` (the engine's address)."""
+        from flatcake.cluster.dataplane import DataPlane
         from flatcake.cluster.node import ClusterNode
-        from flatcake.cluster.remote_dram import RemoteDramReader, export_dram
-        from flatcake.cluster.remote_ssd import SsdOwnerServer
-        from flatcake.cluster.remote_ssd_reader import RemoteSsdReader
-        from flatcake.cluster.etcd import EtcdSession
-        from flatcake.cluster.peers import DescriptorKeeper, PeerDirectory
-        from flatcake.cluster.remote import RemoteReader
-        from flatcake.cluster.transfer import DataPlaneDescriptor, TransferEndpoint
         from flatcake.config import DramConfig, load_config
         from flatcake.media.dram import DramRegion
 
         cfg = load_config(None, config)
         self.node_id, self.layers, self.chunk_bytes = cfg.node_id, layers, chunk_bytes
         self.page_bytes = layers * chunk_bytes
-        self.cluster_cfg = cfg.cluster
-        self.ep = TransferEndpoint(host)
         self.region = DramRegion(DramConfig(capacity_bytes=dram_pages * self.page_bytes, pin="off"), self.page_bytes)
-        dram_addr, dram_bytes = export_dram(self.ep, self.region)
         self.pool_path = os.path.join(ssd_dir, f"node{cfg.node_id}-00000.pool")
         self.file_bytes = file_bytes
         with open(self.pool_path, "wb") as f:
             f.truncate(file_bytes)
-        self.server = SsdOwnerServer(self.ep, lambda i: self.pool_path, file_bytes, f"tcp://{host}:{ssd_port}",
-                                     slots=slots, slot_bytes=slot_bytes, timeout_s=timeout_s).start()
-        self.dram_reader = RemoteDramReader(self.ep, landing_bytes)
-        self.ssd_reader = RemoteSsdReader(self.ep, max(landing_bytes, slot_bytes), timeout_s)
         # the pages' destination, preallocated and touched as a host pool is (reads copy into it)
-        self.out_buf = np.ones((max(1, landing_bytes // self.page_bytes), self.page_bytes), dtype=np.uint8)
+        self.out_buf = np.ones((max(1, cfg.cluster.landing_bytes // self.page_bytes), self.page_bytes), dtype=np.uint8)
         self.node = ClusterNode(cfg.cluster, cfg.node_id).start()
-        desc = DataPlaneDescriptor(cfg.node_id, self.ep.address, dram_addr, dram_bytes, self.server.endpoint_url)
-        self.keeper = DescriptorKeeper(EtcdSession(cfg.cluster.etcd, cfg.cluster.timeout_s), cfg.cluster.prefix, desc,
-                                       self.node.lease_id, interval_s=cfg.cluster.lease_ttl_s / 3).start()
-        self.peers = PeerDirectory(EtcdSession(cfg.cluster.etcd, cfg.cluster.timeout_s), cfg.cluster.prefix)
-        self.reader = RemoteReader(self.peers, self.dram_reader, self.ssd_reader)
-        return {"te": self.ep.address, "ssd_rpc": self.server.endpoint_url}
+        self.dp = DataPlane(cfg.cluster, cfg.node_id, self.node.lease_id, self.region,
+                            (lambda i: self.pool_path, file_bytes)).start()
+        return {"te": self.dp.endpoint.address}
 
     def write_dram(self, scope: int, seq: int, keys: list, seed: int) -> dict:
         """Write pages into free DRAM slots, checksum them, publish the round. Reply: ``gvas``."""
@@ -187,7 +172,7 @@ class DataPlaneAgent:
         pages = self.handles[handle] if handle is not None else self.node.index.lookup(keys)
         out = self.out_buf if len(pages) <= len(self.out_buf) else None
         t0 = time.perf_counter()
-        res = self.reader.read(pages, self.layers, self.chunk_bytes, out)
+        res = self.dp.read(pages, self.layers, self.chunk_bytes, out)
         elapsed = time.perf_counter() - t0
         reply = {"hit": res.hit.tolist(), "misses": res.misses, "elapsed_s": elapsed,
                  "bytes": int(res.hit.sum()) * self.page_bytes}
@@ -203,14 +188,14 @@ class DataPlaneAgent:
         from flatcake.cluster.remote_dram import transfer_list
 
         pages = self.handles[handle]
-        desc = self.peers.get(pages[0].node)
-        land = self.dram_reader.landing
+        desc = self.dp.reader.peers.get(pages[0].node)
+        land = self.dp.reader.dram.landing
         per = max(1, land.nbytes // self.page_bytes)
         t0 = time.perf_counter()
         ok = True
         for lo in range(0, len(pages), per):
             local, remote, lengths, sent = transfer_list(desc, pages[lo: lo + per], self.layers, self.chunk_bytes, land.addr)
-            ok &= len(sent) == len(pages[lo: lo + per]) and self.ep.read(desc.te, local, remote, lengths)
+            ok &= len(sent) == len(pages[lo: lo + per]) and self.dp.endpoint.read(desc.te, local, remote, lengths)
         return {"ok": bool(ok), "elapsed_s": time.perf_counter() - t0, "bytes": len(pages) * self.page_bytes}
 
     def publish_meta(self, scope: int, seq: int, pages: int = 128) -> dict:
@@ -224,25 +209,22 @@ class DataPlaneAgent:
 
     def set_piece_delay(self, seconds: float) -> dict:
         """Make this node's SSD server sleep before each piece (a slow disk; tests only)."""
-        self.server.piece_delay_s = seconds
+        self.dp.server.piece_delay_s = seconds
         return {}
 
     def stats(self) -> dict:
         """Reply: SSD server counters and the view's ``propagation_s`` samples."""
-        s = self.server
+        s, r = self.dp.server, self.dp.reader.ssd
         return {"pieces_served": s.pieces_served, "requests": s.requests, "dropped": s.dropped, "read_s": s.read_s,
-                "ssd_wait_s": self.ssd_reader.wait_s, "ssd_pull_s": self.ssd_reader.pull_s,
+                "ssd_wait_s": r.wait_s, "ssd_pull_s": r.pull_s,
                 "propagation_s": self.node.index.view.propagation_s()}
 
     def close(self) -> dict:
         """Leave the cluster (revoke the lease), stop the server, remove the pool file."""
         if self.node is not None:
-            self.keeper.close()
+            self.dp.close()
             self.node.close()
             self.node = None
-            self.server.close()
-            self.ssd_reader.close()
-            self.ep.close()
             try:
                 os.unlink(self.pool_path)
             except OSError:

@@ -32,10 +32,11 @@ def _skip_reason():
 def _start(cluster, root, ttl_s=10):
     """Two data-plane nodes (node ids 1 and 2) in their namespaces, both started."""
     nodes = [DataPlaneClient(cluster, i) for i in range(2)]
+    plane = {"cluster.staging_slot_bytes": SLOT, "cluster.landing_bytes": 1 << 20, "cluster.remote_timeout_s": 1.0}
     for i, n in enumerate(nodes):
-        n.send("start", host=cluster.node_address(i), config=node_config(cluster.etcd_endpoint, i + 1, ttl_s=ttl_s),
-               layers=LAYERS, chunk_bytes=CHUNK, dram_pages=64, ssd_dir=str(root), slot_bytes=SLOT,
-               landing_bytes=1 << 20, timeout_s=1.0)
+        cfg = node_config(cluster.etcd_endpoint, i + 1, ttl_s=ttl_s, advertise=f"{cluster.node_address(i)}:5601",
+                          extra=plane)
+        n.send("start", config=cfg, layers=LAYERS, chunk_bytes=CHUNK, dram_pages=64, ssd_dir=str(root))
     for n in nodes:
         out = n.reply()
         assert out["ok"], out

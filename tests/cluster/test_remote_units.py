@@ -176,3 +176,21 @@ def test_remote_reader_routes_by_node_and_medium_and_merges_the_results():
     gets = s.gets
     r.read(pg[2:3], 2, 8)  # node 2's descriptor was dropped after its failed read: looked up again
     assert s.gets == gets + 1
+
+
+def test_data_plane_settings_are_validated_naming_the_field():
+    from flatcake.cluster.dataplane import split_advertise
+    from flatcake.config import ConfigError, load_config
+
+    cfg = load_config(None, {"cluster.advertise": "10.78.0.10:5601"}).cluster
+    assert (cfg.staging_slots, cfg.staging_slot_bytes, cfg.landing_bytes, cfg.remote_timeout_s) == (2, 16 << 20, 64 << 20, 2.0)
+    assert split_advertise(cfg.advertise) == ("10.78.0.10", 5601)
+    assert split_advertise("[fd00::1]:7000") == ("fd00::1", 7000)
+    with pytest.raises(ConfigError, match=r"cluster\.advertise"):
+        split_advertise(None)
+    for over, field in (({"cluster.staging_slots": 1}, "cluster.staging_slots"),
+                        ({"cluster.staging_slot_bytes": 4097}, "cluster.staging_slot_bytes"),
+                        ({"cluster.landing_bytes": 4096}, "cluster.landing_bytes"),
+                        ({"cluster.remote_timeout_s": 0}, "cluster.remote_timeout_s")):
+        with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+            load_config(None, over)
