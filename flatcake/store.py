@@ -441,11 +441,13 @@ class PageStore:
         return d
 
     def describe(self) -> str:
-        """One line for the start-up log: role, page bytes, DRAM slots, SSD path, I/O mode, engine."""
+        """One line for the start-up log: role, page bytes, DRAM slots, SSD path, I/O mode, engine,
+        round size, and the SSD write queue's bound when there is one."""
         return (f"{self.role}, page {self.geometry.page_bytes} bytes, DRAM {self.dram.n_slots} slots, "
                 f"SSD {', '.join(self.cfg.ssd.paths)} ({self.ssd.capacity_bytes} bytes, "
                 f"{'direct' if self.ssd.direct_io else 'buffered'} I/O, "
-                f"{getattr(self.cio, 'engine_name', '?')} engine), rounds of <= {self.max_round_pages} pages")
+                f"{getattr(self.cio, 'engine_name', '?')} engine), rounds of <= {self.max_round_pages} pages"
+                + (f", write queue <= {self.queue.backlog_limit} bytes" if self.queue is not None else ""))
 
     @property
     def closed(self) -> bool:

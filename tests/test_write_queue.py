@@ -442,3 +442,22 @@ def test_a_written_rounds_buffer_is_reused_only_after_its_last_reader_is_done(ss
     q.release(entries)
     assert q.take_buffer() is buf  # given back once the last reader ended
     store.close()
+
+
+def test_through_sglangs_factory_a_queued_page_is_a_hit_and_close_drains_it(make_backend):
+    from flatcake_testkit import slots_of, write_pages
+
+    be, pool = make_backend(extra={"ssd.write_backlog_bytes": 64 << 20})
+    q = be.store.queue
+    q.reads_begin()  # a restore in flight: the backup is queued, not written
+    keys = keys_of("sg", 3)
+    assert write_pages(be, pool, keys, [0, 1, 2]) == [True] * 3
+    assert be.batch_exists(keys) == 3 and be.store.medium_of("sg0") == "queued"
+    assert be.batch_get_v1(keys, slots_of(pool, [10, 11, 12])) == [True] * 3
+    assert all(page_matches(pool, (10 + i) * pool.page_size, k) for i, k in enumerate(keys))
+    st = be.flatcake_stats()
+    assert (st["write_backlog_pages"], st["queued_hit_pages"], st["ssd_write_bytes"]) == (3, 3, 0)
+    assert "write queue <= 67108864 bytes" in be.store.describe()
+    q.reads_end()
+    assert q.flush(30) and be.store.medium_of("sg2") == "ssd"
+    assert len(rounds_in_journal(be.store)) == 1
