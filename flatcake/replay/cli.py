@@ -36,6 +36,8 @@ from flatcake.align import ALIGN
 from flatcake.config import ConfigError, FlatCakeConfig, load_config, read_yaml
 from flatcake.replay.budget import DiskBudgetError, check_disk_budget, file_max_size
 from flatcake.replay.engine import Engine, EngineConfig, ModelProfile, RequestOutcome
+from flatcake.replay.hybrid_engine import HybridEngine, hybrid_summary
+from flatcake.replay.hybrid_systems import make_hybrid_system, restrict_to_hybrid
 from flatcake.replay.keys import PageKeyer
 from flatcake.replay.report import markdown, plot_ttft_cdf, system_summary
 from flatcake.replay.sweep import parse_rates, parse_schedulers, run_sweep, serving_markdown
@@ -295,14 +297,19 @@ def run_replay(cfg: FlatCakeConfig, settings: dict[str, Any], profile: ModelProf
     if settings["disk_budget"]:  # all systems hold their data at once
         check_disk_budget(names, unique * profile.page_bytes, fc_keys, settings["file_extra"], out, together=True)
     out.mkdir(parents=True, exist_ok=True)  # only once the trace has been read and the run fits
-    systems = {
-        n: make_system(n, profile, settings["host_pool_pages"], out, fc_keys, settings["file_extra"],
-                       settings["drop_page_cache"], settings["tiered_extra"],
-                       mooncake_extra=settings.get("mooncake_extra"))
-        for n in names
-    }
+    if profile.hybrid:  # SGLang's v2 pool interface (flatcake/replay/hybrid*.py)
+        systems = {n: make_hybrid_system(n, profile, settings["host_pool_pages"], out, fc_keys,
+                                         settings["file_extra"], settings["drop_page_cache"]) for n in names}
+    else:
+        systems = {
+            n: make_system(n, profile, settings["host_pool_pages"], out, fc_keys, settings["file_extra"],
+                           settings["drop_page_cache"], settings["tiered_extra"],
+                           mooncake_extra=settings.get("mooncake_extra"))
+            for n in names
+        }
+    engine = HybridEngine if profile.hybrid else Engine
     try:
-        outcomes = _replay_requests({n: Engine(systems[n], profile, ecfg) for n in names}, reqs, keys, progress)
+        outcomes = _replay_requests({n: engine(systems[n], profile, ecfg) for n in names}, reqs, keys, progress)
     finally:
         counters, disk = _close_systems(systems, out, settings["keep_data"])
 
@@ -315,7 +322,7 @@ def run_replay(cfg: FlatCakeConfig, settings: dict[str, Any], profile: ModelProf
         "prompt_pages": total,
         "unique_pages": unique,
         "ideal_hit_rate": hits / total if total else None,
-        "model": {**profile.__dict__, "page_bytes": profile.page_bytes,
+        "model": {**profile.as_dict(), "page_bytes": profile.page_bytes,
                   "bytes_per_token": profile.bytes_per_token},
         "engine": ecfg.__dict__,
         "trace_load_s": load_s,
@@ -328,6 +335,8 @@ def run_replay(cfg: FlatCakeConfig, settings: dict[str, Any], profile: ModelProf
         s = system_summary(outcomes[n], counters.get(n, {}), profile.page_size, profile.page_bytes,
                            sum(o.wall_s for o in outcomes[n]), systems[n].errors)
         s["disk_bytes_at_end"] = disk.get(n, 0)
+        if profile.hybrid:
+            s.update(hybrid_summary(outcomes[n], counters.get(n, {}), systems[n]))
         summary["systems"][n] = s
     summary["config"] = {
         "replay": {k: (str(v) if isinstance(v, Path) else v) for k, v in settings.items()},
@@ -382,6 +391,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         settings = replay_settings(cfg, args, config_dir)
         if args.scale != 1:
             cfg, settings, profile = apply_scale(cfg, settings, profile, args.scale)
+        if profile.hybrid:
+            if args.qps is not None:
+                raise ValueError("--qps: the serving model does not run a hybrid model profile (model.pools) "
+                                 "yet; replay it without --qps")
+            restrict_to_hybrid(settings)
     except (ConfigError, ValueError, FileNotFoundError) as e:
         print(f"flatcake-replay: {e}", file=sys.stderr)
         return 2

@@ -59,6 +59,8 @@ class ModelProfile:
         gpu_tflops: peak dense TFLOP/s of the modelled GPU.
         mfu: fraction of the peak prefill achieves.
         pcie_gbps: host -> HBM copy rate in GB/s (1e9 bytes/s) for L3-delivered pages.
+        pools: ``model.pools``: the extra host pools of a hybrid profile
+            (:class:`flatcake.replay.hybrid.PoolSpec`); empty for a dense (MHA/MLA) profile.
     """
 
     name: str
@@ -76,6 +78,7 @@ class ModelProfile:
     gpu_tflops: float = 989.0
     mfu: float = 0.4
     pcie_gbps: float = 25.0
+    pools: tuple = ()
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "ModelProfile":
@@ -85,8 +88,12 @@ class ModelProfile:
         if extra:
             raise ValueError(f"model: unknown key(s) {sorted(extra)}")
         kw = {}
+        if d.get("pools"):  # an empty list (a dumped dense profile) is dense
+            from flatcake.replay.hybrid import parse_pools
+
+            kw["pools"] = parse_pools(d["pools"])
         for k, v in d.items():
-            if k not in known:
+            if k not in known or k == "pools":
                 continue
             typ = cls.__dataclass_fields__[k].type
             try:  # YAML reads "494e6" as a string; coerce to the field's type
@@ -105,8 +112,16 @@ class ModelProfile:
         return _DTYPES[self.dtype]
 
     @property
+    def hybrid(self) -> bool:
+        """True when the profile lists extra host pools (run through SGLang's v2 interface)."""
+        return bool(self.pools)
+
+    @property
     def bytes_per_token(self) -> int:
-        """KV bytes per token over all layers."""
+        """KV bytes per token over all layers (hybrid: the all_pages pools' page bytes /
+        ``page_size``, rounded down)."""
+        if self.pools:
+            return self.page_bytes // self.page_size
         isz = self.torch_dtype.itemsize
         if self.attention == "mha":
             return 2 * self.layers * self.kv_heads * self.head_dim * isz
@@ -114,7 +129,10 @@ class ModelProfile:
 
     @property
     def page_bytes(self) -> int:
-        """Bytes of one page (all layers)."""
+        """Bytes of one page (all layers; hybrid: of every all_pages pool, the pages each
+        prefix page needs; the trailing pools' window pages come on top per restore)."""
+        if self.pools:
+            return sum(p.page_bytes for p in self.pools if not p.trailing)
         return self.bytes_per_token * self.page_size
 
     def scaled(self, n: int) -> "ModelProfile":
@@ -127,11 +145,25 @@ class ModelProfile:
         """
         if n < 1:
             raise ValueError(f"--scale: must be at least 1 (got {n})")
+        if self.pools:  # hybrid: each pool's item_bytes (the effective MLA fields are unused)
+            return replace(self, pools=tuple(p.scaled(n) for p in self.pools),
+                           name=f"{self.name} (1/{n} scale)" if n > 1 else self.name)
         field = "head_dim" if self.attention == "mha" else "kv_cache_dim"
         dim = getattr(self, field)
         if dim % n or dim // n < 1:
             raise ValueError(f"--scale: {n} must divide model.{field} ({dim})")
         return replace(self, **{field: dim // n}, name=f"{self.name} (1/{n} scale)" if n > 1 else self.name)
+
+    def as_dict(self) -> dict:
+        """The profile's fields for ``summary.json`` (``pools`` only for a hybrid profile, as
+        a list of dicts with each pool's ``page_bytes``)."""
+        d = dict(self.__dict__)
+        pools = d.pop("pools")
+        if pools:
+            from flatcake.replay.hybrid import pools_as_dicts
+
+            d["pools"] = pools_as_dicts(pools)
+        return d
 
     def make_host_pool(self, pages: int):
         """A host-pool double of ``pages`` pages in this profile's layout."""

@@ -1,0 +1,146 @@
+"""Hybrid model profiles (model.pools) replayed through SGLang's v2 pool interface: FlatCake and
+HiCacheFile with SGLang's own LogicalHostPool anchor and DeepSeekV4PagedHostPool pools, exact
+hit counts derived by hand, every pool's pages verified bit-exact."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from flatcake.config import load_config
+from flatcake.replay.cli import REPLAY_DEFAULTS, main, run_replay
+from flatcake.replay.engine import ModelProfile
+from flatcake.replay.hybrid import HybridPools, PoolContent
+from replay_fixtures import mooncake_path  # noqa: F401  (pytest fixture)
+
+PAGE = 64
+FC_OVERRIDES = {"dram.capacity_bytes": 1 << 20, "ssd.file_bytes": 4 << 20, "ssd.max_files": 8}
+POOLS = [{"name": "deepseek_v4_c4", "layers": 2, "item_bytes": 96},
+         {"name": "deepseek_v4_c4_indexer", "layers": 2, "item_bytes": 40},
+         {"name": "swa", "layers": 2, "item_bytes": 200, "hit_policy": "trailing_pages", "window_pages": 1}]
+PROFILE = Path(__file__).resolve().parents[2] / "configs" / "model-deepseek-v4-flash.yaml"
+
+
+def hybrid_profile(pools=POOLS) -> ModelProfile:
+    return ModelProfile.from_dict({"name": "tiny/dsv4", "attention": "mla", "layers": 2, "kv_cache_dim": 8,
+                                   "dtype": "uint8", "page_size": PAGE, "params": 1e6, "q_heads": 2,
+                                   "q_head_dim": 32, "gpu_tflops": 100.0, "mfu": 0.5, "pcie_gbps": 10.0,
+                                   "pools": pools})
+
+
+def _run(tmp_path, trace, systems, profile=None, **replay):
+    cfg = load_config(None, FC_OVERRIDES)
+    settings = {**REPLAY_DEFAULTS, "trace": trace, "systems": systems, "out": tmp_path / "out",
+                "prefetch_threshold_tokens": 0, "host_pool_pages": 256, "hbm_pages": 0, **replay}
+    return run_replay(cfg, settings, profile or hybrid_profile(), progress=False)
+
+
+@pytest.mark.parametrize("system", ["flatcake", "file"])
+def test_hybrid_mooncake_every_reuse_restored_by_every_pool(tmp_path, mooncake_path, system):
+    # As the dense replay (test_replay_e2e): 48 of 88 pages are reuses, 40 computed. The SWA
+    # window (1 page) is stored at the end of each request's backup: r0 at page 15, r1 at 23,
+    # r2 (block 4) at 7; r1 restores 16 pages (cut at r0's end), r3 24 (r1's end), r4 8 (r2's
+    # end): 48 pages, 3 SWA restores; r4 computes nothing, so 4 SWA pages are written.
+    s = _run(tmp_path, mooncake_path, [system])
+    r = s["systems"][system]
+    assert r["hybrid"] is True and r["verify_failures"] == 0 and r["backend_errors"] == 0
+    assert r["hit_tokens"]["dram"] + r["hit_tokens"]["ssd"] == 48 * PAGE
+    assert r["delivered_hit_rate"] == pytest.approx(48 / 88) == s["ideal_hit_rate"]
+    assert r["written_pages"] == 40 and r["trailing_misses"] == 0
+    p = r["pools"]
+    for name, pb in (("deepseek_v4_c4", 192), ("deepseek_v4_c4_indexer", 80)):
+        assert p[name] == {"hit_policy": "all_pages", "window_pages": None, "page_bytes": pb, "delivered_pages": 48,
+                           "verify_failures": 0, "written_pages": 40, **({"counters": p[name]["counters"]}
+                                                                        if system == "flatcake" else {})}
+    assert (p["swa"]["delivered_pages"], p["swa"]["written_pages"], p["swa"]["verify_failures"]) == (3, 4, 0)
+    assert p["swa"]["page_bytes"] == 400 and p["swa"]["window_pages"] == 1
+    if system == "file":  # the harness's own accounting: every pool's bytes, one op per page
+        assert r["ssd_read_bytes"] == 48 * (192 + 80) + 3 * 400 and r["ssd_read_ops"] == 48 * 2 + 3
+        assert r["ssd_write_bytes"] == 40 * (192 + 80) + 4 * 400
+    else:  # FlatCake's extra-pool stores: each pool read exactly its pages
+        assert p["deepseek_v4_c4"]["counters"]["hit_pages_ssd"] + p["deepseek_v4_c4"]["counters"]["hit_pages_dram"] == 48
+        assert p["swa"]["counters"]["hit_pages_ssd"] + p["swa"]["counters"]["hit_pages_dram"] == 3
+        assert r["logical_write_bytes"] == 40 * (192 + 80) + 4 * 400
+    assert s["model"]["pools"][0]["page_bytes"] == 192 and s["model"]["page_bytes"] == 272
+
+
+def test_a_prefix_without_its_trailing_window_is_not_restored(tmp_path):
+    # r0 stores blocks 0,1,2 (24 pages) with its SWA window at page 23. r1 shares blocks 0,1 (16
+    # pages) but the SWA state at page 16's cut was never stored: no usable prefix, 0 L3 hits
+    # (a dense model would restore 16). r2 repeats r1: its cut at 24 has r1's window -> 24.
+    trace = tmp_path / "t.jsonl"
+    rows = [{"timestamp": 0, "input_length": 1536, "output_length": 1, "hash_ids": [0, 1, 2]},
+            {"timestamp": 1, "input_length": 1536, "output_length": 1, "hash_ids": [0, 1, 7]},
+            {"timestamp": 2, "input_length": 1536, "output_length": 1, "hash_ids": [0, 1, 7]}]
+    trace.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    s = _run(tmp_path, trace, ["flatcake", "file"])
+    for n in ("flatcake", "file"):
+        r = s["systems"][n]
+        assert r["l3_query_hit_pages"] == 24 and r["hit_tokens"]["ssd"] + r["hit_tokens"]["dram"] == 24 * PAGE
+        assert r["verify_failures"] == 0 and r["pools"]["swa"]["delivered_pages"] == 1
+        assert r["computed_pages"] == 24 + 24
+
+
+def test_pool_contents_differ_per_pool_and_a_flipped_byte_fails(tmp_path):
+    pools = HybridPools(hybrid_profile().pools, 4, PAGE, "page_first")
+    c4, idx = (PoolContent(pools.pools[n], n) for n in ("deepseek_v4_c4", "deepseek_v4_c4_indexer"))
+    assert (c4.page_bytes, idx.page_bytes) == (192, 80)
+    c4.fill(PAGE, "k")
+    idx.fill(PAGE, "k")
+    assert c4.verify(PAGE, "k") and idx.verify(PAGE, "k") and not c4.verify(PAGE, "other")
+    assert not torch.equal(c4.expected("k")[:80].clone(), idx.expected("k"))  # seeds differ per pool
+    pools.pools["deepseek_v4_c4"].kv_buffer[1, 1, 7] ^= 1  # page 1, layer 1, byte 7
+    assert not c4.verify(PAGE, "k") and idx.verify(PAGE, "k")
+
+
+def test_other_systems_are_skipped_and_qps_refused(tmp_path, mooncake_path, capsys):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump({"ssd": {"file_bytes": 4 << 20, "max_files": 8}, "dram": {"capacity_bytes": 1 << 20},
+                                   "model": hybrid_profile().as_dict() | {"pools": POOLS},
+                                   "replay": {"trace": str(mooncake_path), "hbm_pages": 0, "host_pool_pages": 256,
+                                              "prefetch_threshold_tokens": 0, "plot": False}}))
+    out = tmp_path / "o"
+    assert main(["--config", str(cfg), "--systems", "flatcake,tiered,dram-only,recompute", "--out", str(out),
+                 "--no-progress"]) == 0
+    s = json.loads((out / "summary.json").read_text())
+    assert list(s["systems"]) == ["flatcake", "recompute"]
+    assert set(s["skipped_systems"]) == {"tiered", "dram-only"} and "v2" in s["skipped_systems"]["tiered"]
+    assert s["systems"]["recompute"]["hit_tokens"]["ssd"] == 0 and s["systems"]["flatcake"]["verify_failures"] == 0
+    assert "system tiered skipped" in (out / "summary.md").read_text()
+    assert main(["--config", str(cfg), "--qps", "1", "--out", str(out)]) == 2
+    assert "--qps" in capsys.readouterr().err
+    assert main(["--config", str(cfg), "--systems", "tiered", "--out", str(out)]) == 2
+
+
+@pytest.mark.parametrize("pools, msg", [
+    ([{"name": "kv", "layers": 1, "item_bytes": 8}], "model.pools[0].name"),
+    ([{"name": "swa", "layers": 1, "item_bytes": 8, "hit_policy": "trailing_pages"}], "at least one all_pages"),
+    ([{"name": "swa", "layers": 0, "item_bytes": 8}], "model.pools[0].layers"),
+    ([{"name": "swa", "layers": 1, "item_bytes": 8, "hit_policy": "sometimes"}], "model.pools[0].hit_policy"),
+    ([{"name": "swa", "layers": 1, "item_bytes": 8, "colour": 1}], "unknown key"),
+])
+def test_bad_pools_name_the_field(pools, msg):
+    with pytest.raises(ValueError, match=msg.replace("[", r"\[").replace("]", r"\]")):
+        hybrid_profile(pools)
+
+
+def test_shipped_deepseek_v4_flash_pools_and_scale():
+    from flatcake.replay.sglang_cpu import ensure_importable
+
+    ensure_importable()
+    from sglang.srt.mem_cache.deepseek_v4_memory_pool import get_dsv4_indexer_bytes_per_token
+
+    p = ModelProfile.from_dict(yaml.safe_load(PROFILE.read_text())["model"])
+    pools = {s.name: s for s in p.pools}
+    rows_per_page = p.page_size // 4  # C4: one row per 4 tokens
+    assert pools["deepseek_v4_c4"].item_bytes == rows_per_page * 584
+    assert pools["deepseek_v4_c4_indexer"].item_bytes == rows_per_page * get_dsv4_indexer_bytes_per_token(128, False)
+    assert pools["swa"].item_bytes == p.page_size * 584 and pools["swa"].trailing
+    assert all(s.layers == 43 for s in p.pools)
+    assert p.page_bytes == 1970432 == p.layers * p.kv_cache_dim * p.page_size  # = the effective MLA page
+    q = p.scaled(64)
+    assert [s.item_bytes for s in q.pools] == [584, 132, 2336] and q.page_bytes == 1970432 // 64
+    with pytest.raises(ValueError, match="--scale: 512 must divide model.pools"):
+        p.scaled(512)
