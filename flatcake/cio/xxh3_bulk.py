@@ -94,8 +94,8 @@ def native() -> bool:
 def warm_up() -> None:
     """Compile and load the native loop in a background thread (called at start-up, so the
     first put or restore does not wait for the compiler; a call that comes first waits)."""
-    if "lib" not in _state:
-        threading.Thread(target=native, name="fc-xxh3-init", daemon=True).start()
+    if "lib" not in _state:  # not a daemon: an exit waits for it, so its temporary files always go
+        threading.Thread(target=native, name="fc-xxh3-init", daemon=False).start()
 
 
 def xxh3_at(host: np.ndarray, starts, chunk_bytes: int) -> np.ndarray:
