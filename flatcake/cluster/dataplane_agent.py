@@ -189,7 +189,7 @@ class DataPlaneAgent:
 
         pages = self.handles[handle]
         desc = self.dp.reader.peers.get(pages[0].node)
-        land = self.dp.reader.dram.landing
+        land = self.dp.reader.dram.pool.get()
         per = max(1, land.nbytes // self.page_bytes)
         t0 = time.perf_counter()
         ok = True

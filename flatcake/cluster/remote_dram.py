@@ -25,7 +25,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from flatcake.cluster.records import RemotePage
-from flatcake.cluster.transfer import (DataPlaneDescriptor, RegisteredBuffer, RemoteReadResult, TransferEndpoint,
+from flatcake.cluster.transfer import (DataPlaneDescriptor, LandingPool, RemoteReadResult, TransferEndpoint,
                                        page_checksums, verify_landed)
 from flatcake.gva.address import MEDIUM_DRAM, OFFSET_MASK, medium_of
 
@@ -118,13 +118,13 @@ class RemoteDramReader:
 
     def __init__(self, endpoint: TransferEndpoint, landing_bytes: int = 64 << 20, batch_bytes: int = 8 << 20):
         self.endpoint = endpoint
-        self.landing = RegisteredBuffer(endpoint, landing_bytes)
+        self.pool = LandingPool(endpoint, landing_bytes)
+        self.landing = self.pool.current
         self.half = landing_bytes // 2
         self.batch_bytes = min(batch_bytes, self.half)
         self._lock = threading.Lock()
         self.pages_read = 0
         self.pages_missed = 0
-        self.retired: list[RegisteredBuffer] = []  # landing buffers a failed batch may still write into
 
     def read(self, desc: Optional[DataPlaneDescriptor], pages: Sequence[RemotePage], layers: int,
              chunk_bytes: int, out: Optional[np.ndarray] = None) -> RemoteReadResult:
@@ -147,10 +147,11 @@ class RemoteDramReader:
         if desc is None or not desc.dram_bytes:
             res.misses["unknown_owner"] = len(pages)
             return res
-        if page_bytes > self.batch_bytes:
-            res.misses["failed"] = len(pages)
-            return res
         with self._lock:
+            self.landing = self.pool.get()
+            if page_bytes > self.batch_bytes or self.landing is None:  # too large / every buffer quarantined
+                res.misses["failed"] = len(pages)
+                return res
             self._pipeline(desc, pages, layers, chunk_bytes, res)
         n_hit = int(res.hit.sum())
         self.pages_read += n_hit
@@ -161,7 +162,7 @@ class RemoteDramReader:
                   res: RemoteReadResult) -> None:
         """Batch ``b`` lands in half ``b % 2`` while batch ``b - 1`` is finished. After a failed
         batch (owner gone or cut off) nothing more is sent: the rest are misses at once, and the
-        landing buffer is retired (the engine may still write into it) for a fresh one."""
+        landing buffer is quarantined (the engine may still write into it; :class:`LandingPool`)."""
         page_bytes = layers * chunk_bytes
         per = self.batch_bytes // page_bytes
         pending, failed = None, False
@@ -184,9 +185,8 @@ class RemoteDramReader:
         if pending is not None:
             failed |= not self._finish(pages, layers, chunk_bytes, res, *pending)
         if failed:
-            self.retired.append(self.landing)
-            self.landing = RegisteredBuffer(self.endpoint, self.landing.nbytes)
-            log.info("remote DRAM read from node %d failed; landing buffer replaced", desc.node)
+            self.pool.retire()
+            log.info("remote DRAM read from node %d failed; landing buffer quarantined", desc.node)
 
     def _finish(self, pages: Sequence[RemotePage], layers: int, chunk_bytes: int, res: RemoteReadResult,
                 bid: int, lo: int, hi: int, half: int, sent: list) -> bool:

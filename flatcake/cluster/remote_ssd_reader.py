@@ -28,7 +28,7 @@ import numpy as np
 import xxhash
 
 from flatcake.cluster.records import RemotePage
-from flatcake.cluster.transfer import DataPlaneDescriptor, RegisteredBuffer, RemoteReadResult, TransferEndpoint
+from flatcake.cluster.transfer import DataPlaneDescriptor, LandingPool, RemoteReadResult, TransferEndpoint
 from flatcake.gva.address import MEDIUM_SSD, OFFSET_MASK, medium_of
 
 log = logging.getLogger(__name__)
@@ -54,7 +54,8 @@ class RemoteSsdReader:
 
         self._zmq = zmq
         self.endpoint = endpoint
-        self.landing = RegisteredBuffer(endpoint, landing_bytes)
+        self.pool = LandingPool(endpoint, landing_bytes)
+        self.landing = self.pool.current
         self.timeout_s = timeout_s
         self._ctx = zmq.Context.instance()
         self._socks: dict[str, object] = {}
@@ -63,7 +64,6 @@ class RemoteSsdReader:
         self.timeouts = 0
         self.wait_s = 0.0  # seconds waiting for the owner's answers
         self.pull_s = 0.0  # seconds in Transfer Engine pulls of staging slots
-        self.retired: list[RegisteredBuffer] = []  # landing buffers a failed pull may still write into
 
     def close(self) -> None:
         """Close the sockets to the owners."""
@@ -126,7 +126,9 @@ class RemoteSsdReader:
             want[i * layers: (i + 1) * layers] = pages[i].checksums
         state = np.zeros(len(pages) * layers, dtype=np.int8)  # per chunk: 0 missing, 1 verified, -1 mismatch
         with self._lock:
-            outcome = self._exchange(desc, ranges, valid, layers, chunk_bytes, res, (want, state))
+            self.landing = self.pool.get()  # None while every landing buffer is quarantined: misses
+            outcome = self._exchange(desc, ranges, valid, layers, chunk_bytes, res, (want, state)) \
+                if self.landing is not None else "failed"
         per_page = state.reshape(len(pages), layers) if len(pages) else state.reshape(0, layers)
         res.hit[:] = (per_page == 1).all(axis=1) if layers else False
         for i in valid:
@@ -200,13 +202,12 @@ class RemoteSsdReader:
 
     def _pull_failed(self, desc: DataPlaneDescriptor, inflight) -> str:
         """A pull failed: wait out the others, drop the socket (the owner drops the request when its
-        slots are not released) and retire the landing buffer (the engine may still write into it)."""
+        slots are not released) and quarantine the landing buffer (the engine may still write into it)."""
         for bid, _w, _b in inflight:
             self.endpoint.wait(bid)
         self._drop(desc.ssd_rpc)
-        self.retired.append(self.landing)
-        self.landing = RegisteredBuffer(self.endpoint, self.landing.nbytes)
-        log.info("remote SSD read: a pull from node %d failed; landing buffer replaced", desc.node)
+        self.pool.retire()
+        log.info("remote SSD read: a pull from node %d failed; landing buffer quarantined", desc.node)
         return "failed"
 
     def _submit_pull(self, peer: str, offset: int, body: dict) -> int:

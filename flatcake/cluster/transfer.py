@@ -25,6 +25,7 @@ import json
 import math
 import os
 import threading
+import time
 from dataclasses import asdict, dataclass
 from typing import Optional, Sequence
 
@@ -172,6 +173,57 @@ class RegisteredBuffer:
         self.nbytes = nbytes
         self.addr = int(self.array.ctypes.data)
         endpoint.register(self.addr, nbytes)
+
+
+class LandingPool:
+    """A reader's landing buffer, replaced after a failed transfer without unbounded growth.
+
+    After a failed or timed-out batch the engine may still write into the buffer it targeted, so
+    that buffer is quarantined: kept mapped and registered, not reused for ``quarantine_s``
+    seconds (the engine's TCP sessions give up after 30 s without progress). The replacement is
+    the oldest buffer whose quarantine is over, else a new one while fewer than ``max_quarantined``
+    are quarantined, else none: reads are misses until a quarantine ends (a flapping owner costs at
+    most ``(1 + max_quarantined) * nbytes`` of memory, never a reused buffer still in flight).
+
+    Args:
+        endpoint: the engine to register with (anything with ``register(addr, nbytes)``).
+        nbytes: bytes per buffer (multiple of 4096).
+        quarantine_s, max_quarantined: see above.
+        clock: monotonic seconds, for tests.
+    """
+
+    def __init__(self, endpoint, nbytes: int, quarantine_s: float = 60.0, max_quarantined: int = 4,
+                 clock=time.monotonic):
+        self.endpoint, self.nbytes = endpoint, nbytes
+        self.quarantine_s, self.max_quarantined, self.clock = quarantine_s, max_quarantined, clock
+        self.current: Optional[RegisteredBuffer] = RegisteredBuffer(endpoint, nbytes)
+        self._quarantine: list[tuple[float, RegisteredBuffer]] = []
+        self.retirements = 0
+
+    def get(self) -> Optional[RegisteredBuffer]:
+        """The buffer to land in, or None while every buffer is quarantined (a miss)."""
+        if self.current is None:
+            self.current = self._replacement()
+        return self.current
+
+    def retire(self) -> None:
+        """Quarantine the current buffer (a transfer into it failed) and pick a replacement."""
+        if self.current is not None:
+            self._quarantine.append((self.clock(), self.current))
+            self.retirements += 1
+        self.current = None
+        self.current = self._replacement()
+
+    def quarantined(self) -> int:
+        """Buffers in quarantine now."""
+        return len(self._quarantine)
+
+    def _replacement(self) -> Optional[RegisteredBuffer]:
+        if self._quarantine and self.clock() - self._quarantine[0][0] >= self.quarantine_s:
+            return self._quarantine.pop(0)[1]
+        if len(self._quarantine) < self.max_quarantined:
+            return RegisteredBuffer(self.endpoint, self.nbytes)
+        return None
 
 
 @dataclass(frozen=True)

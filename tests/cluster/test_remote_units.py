@@ -194,3 +194,26 @@ def test_data_plane_settings_are_validated_naming_the_field():
                         ({"cluster.remote_timeout_s": 0}, "cluster.remote_timeout_s")):
         with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
             load_config(None, over)
+
+
+def test_landing_pool_quarantines_failed_buffers_and_bounds_their_number(monkeypatch):
+    import flatcake.cluster.transfer as tr
+
+    class Ep:
+        def __init__(self):
+            self.registered = []
+
+        def register(self, addr, nbytes):
+            self.registered.append((addr, nbytes))
+
+    ep, now = Ep(), [0.0]
+    pool = tr.LandingPool(ep, 8192, quarantine_s=60.0, max_quarantined=2, clock=lambda: now[0])
+    first = pool.get()
+    assert first is not None and ep.registered == [(first.addr, 8192)]
+    pool.retire()  # a transfer into `first` failed: never reused while quarantined
+    second = pool.get()
+    assert second is not None and second is not first and pool.quarantined() == 1
+    pool.retire()  # two quarantined: no new buffer, reads are misses
+    assert pool.get() is None and pool.quarantined() == 2 and len(ep.registered) == 2
+    now[0] = 61.0  # the oldest quarantine is over: `first` comes back, nothing new is registered
+    assert pool.get() is first and pool.quarantined() == 1 and len(ep.registered) == 2
