@@ -358,6 +358,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--config", help="YAML config (FlatCake keys + model: + replay: sections)")
     p.add_argument("--trace", help="trace: Mooncake .jsonl or WEKA .tar.xz")
+    p.add_argument("--model", help="model profile YAML (a model: section) replacing the config's model: section")
     p.add_argument("--systems", help="comma-separated systems (default flatcake,file)")
     p.add_argument("--max-requests", type=int, help="replay the first N requests (arrival order)")
     p.add_argument("--out", help="output directory (summary.json, summary.md, requests.csv)")
@@ -387,6 +388,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         cfg = load_config(args.config) if args.config else load_config(None)
         config_dir = Path(args.config).resolve().parent if args.config else Path.cwd()
+        if args.model:  # --model replaces the config's model: section (path relative to the cwd)
+            cfg = cfg.model_copy(update={"model": {"profile": str(Path(args.model).resolve())}})
         profile = resolve_model(cfg, config_dir)
         settings = replay_settings(cfg, args, config_dir)
         if args.scale != 1:

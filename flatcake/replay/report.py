@@ -162,7 +162,26 @@ def markdown(summary: Mapping[str, Any]) -> str:
     ]
     for label, get, kind in _ROWS:
         lines.append(f"| {label} | " + " | ".join(_fmt(get(systems[n]), kind) for n in names) + " |")
+    lines += _pool_rows(systems, names)
     return "\n".join(lines) + "\n"
+
+
+def _pool_rows(systems: Mapping[str, Any], names: list) -> list[str]:
+    """Hybrid runs only (``pools`` in a system's summary): per pool, the pages it restored and
+    how many failed verification; the restores dropped for a missing trailing window."""
+    pools = list(dict.fromkeys(p for n in names for p in systems[n].get("pools", {})))
+    if not pools:
+        return []
+
+    def cell(n: str, p: str) -> str:
+        d = systems[n].get("pools", {}).get(p)
+        return "–" if d is None else f"{d['delivered_pages']:,} ({d['verify_failures']} bad)"
+
+    rows = [f"| pool {p}: pages restored (verify failures) | " + " | ".join(cell(n, p) for n in names) + " |"
+            for p in pools]
+    rows.append("| restores dropped: trailing window missing | "
+                + " | ".join(_fmt(systems[n].get("trailing_misses")) for n in names) + " |")
+    return rows
 
 
 def plot_ttft_cdf(ttfts: Mapping[str, Sequence[float]], path) -> None:

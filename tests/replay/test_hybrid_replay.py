@@ -108,7 +108,8 @@ def test_other_systems_are_skipped_and_qps_refused(tmp_path, mooncake_path, caps
     assert list(s["systems"]) == ["flatcake", "recompute"]
     assert set(s["skipped_systems"]) == {"tiered", "dram-only"} and "v2" in s["skipped_systems"]["tiered"]
     assert s["systems"]["recompute"]["hit_tokens"]["ssd"] == 0 and s["systems"]["flatcake"]["verify_failures"] == 0
-    assert "system tiered skipped" in (out / "summary.md").read_text()
+    md = (out / "summary.md").read_text()
+    assert "system tiered skipped" in md and "| pool swa: pages restored (verify failures) | 3 (0 bad) | – |" in md
     assert main(["--config", str(cfg), "--qps", "1", "--out", str(out)]) == 2
     assert "--qps" in capsys.readouterr().err
     assert main(["--config", str(cfg), "--systems", "tiered", "--out", str(out)]) == 2
@@ -144,3 +145,43 @@ def test_shipped_deepseek_v4_flash_pools_and_scale():
     assert [s.item_bytes for s in q.pools] == [584, 132, 2336] and q.page_bytes == 1970432 // 64
     with pytest.raises(ValueError, match="--scale: 512 must divide model.pools"):
         p.scaled(512)
+
+
+def test_an_indexer_page_missing_in_the_middle_cuts_the_hit_before_it(tmp_path):
+    # No trailing pool: r0 stores 24 pages in both pools through HiCacheFile; the indexer's file
+    # of page 10 is then deleted. r1 (same prefix) gets the KV run and C4's 24 pages, but the
+    # indexer's boundary is 10: batch_exists_v2 -> 10, 10 pages restored by both pools.
+    from flatcake.replay.engine import EngineConfig
+    from flatcake.replay.hybrid_engine import HybridEngine
+    from flatcake.replay.hybrid_systems import make_hybrid_system
+    from flatcake.replay.keys import PageKeyer
+    from flatcake.replay.traces import TraceRequest
+
+    prof = hybrid_profile(POOLS[:2])
+    sysm = make_hybrid_system("file", prof, 256, tmp_path, {}, {}, drop_cache=False)
+    eng = HybridEngine(sysm, prof, EngineConfig(hbm_pages=0, host_pool_pages=256, prefetch_threshold_tokens=0))
+    keys = PageKeyer(PAGE).keys(TraceRequest(arrival_s=0.0, namespace="t", session="t", block_ids=(0, 1, 2),
+                                             block_tokens=512, prompt_tokens=1536, output_tokens=1))
+    assert eng.run(keys, 1536).written_pages == 24
+    victim = [f for f in (tmp_path / "hicache-file").iterdir() if f.name.startswith(keys[10] + ".deepseek_v4_c4_indexer")]
+    assert len(victim) == 1
+    victim[0].unlink()
+    o = eng.run(keys, 1536)
+    assert (o.l3_query_pages, o.ssd_pages, o.computed_pages) == (10, 10, 14)
+    assert o.pool_pages == {"deepseek_v4_c4": 10, "deepseek_v4_c4_indexer": 10} and o.verify_failures == 0
+    sysm.close()
+
+
+def test_model_flag_replaces_the_configs_model(tmp_path, mooncake_path):
+    cfg = tmp_path / "c.yaml"
+    prof = tmp_path / "p.yaml"
+    prof.write_text(yaml.safe_dump({"model": hybrid_profile().as_dict() | {"pools": POOLS}}))
+    cfg.write_text(yaml.safe_dump({"ssd": {"file_bytes": 4 << 20, "max_files": 8}, "dram": {"capacity_bytes": 1 << 20},
+                                   "model": {"profile": "nowhere.yaml"},
+                                   "replay": {"trace": str(mooncake_path), "hbm_pages": 0, "host_pool_pages": 256,
+                                              "prefetch_threshold_tokens": 0, "plot": False}}))
+    out = tmp_path / "o"
+    assert main(["--config", str(cfg), "--model", str(prof), "--systems", "file", "--out", str(out), "--no-progress"]) == 0
+    s = json.loads((out / "summary.json").read_text())
+    assert s["model"]["name"] == "tiny/dsv4" and s["config"]["model"] == {"profile": str(prof.resolve())}
+    assert s["systems"]["file"]["hit_tokens"]["ssd"] == 48 * PAGE and s["systems"]["file"]["verify_failures"] == 0
