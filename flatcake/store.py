@@ -362,6 +362,19 @@ class PageStore:
             self._gate.exit()
         return out, written
 
+    def flush_writes(self, timeout_s: float = 30.0) -> bool:
+        """Wait until the SSD write queue is empty: every queued round written and journaled, or
+        failed (its pages misses). True at once without a queue; False after ``timeout_s``
+        seconds (writes still yield to reads in flight). Never raises."""
+        return self.queue is None or self.queue.flush(timeout_s)
+
+    def reads_pending(self, delta: int) -> None:
+        """Count ``delta`` (+1 / -1) restore reads queued but not yet issued (FC-MAS SSD lane):
+        while any is counted the write queue holds writes not yet started, as for reads in flight
+        (``docs/design.md``, "Write queue"). A no-op without a queue. Never raises."""
+        for _ in range(abs(delta) if self.queue is not None else 0):
+            (self.queue.reads_begin if delta > 0 else self.queue.reads_end)()
+
     # ================================================================ scopes of other stores
     def add_retire_listener(self, fn) -> None:
         """Call ``fn(keys)`` (list of str) with the keys of every scope this store frees

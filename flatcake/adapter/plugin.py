@@ -158,7 +158,8 @@ class PrefetchLanes:
         self.controller = controller
         self.backend = backend
         self.ack = ack or _sglang_final_ack
-        self.lanes = MediumAwareLanes(ssd_restores)
+        store = getattr(backend, "store", None)  # queued SSD restores hold its write queue's writes
+        self.lanes = MediumAwareLanes(ssd_restores, pending_reads=getattr(store, "reads_pending", None))
         self._held: dict[int, Any] = {}  # id -> operation queued or running on the lanes
         self._held_lock = threading.Lock()
 

@@ -20,6 +20,11 @@ Lifecycle of an operation::
 
 ``op.run()`` must not raise (the drivers catch their own errors); an exception that escapes
 anyway is logged once and the operation still completes, so nothing waits forever.
+
+Reads first (``docs/design.md``, "Write queue"): given ``pending_reads`` (e.g.
+:meth:`flatcake.store.PageStore.reads_pending`), the lanes call ``pending_reads(+1)`` when an
+operation that needs SSD is queued and ``pending_reads(-1)`` once its reads ended, so the SSD
+write queue holds writes not yet started while a restore is queued, not only while it reads.
 """
 
 from __future__ import annotations
@@ -86,8 +91,18 @@ class Lanes:
 
     name = "base"
 
-    def __init__(self):
+    def __init__(self, pending_reads: Optional[Callable[[int], None]] = None):
         self.errors = ErrorLog(log)  # each (what, exception kind) logged once, all counted
+        self.pending_reads = pending_reads
+
+    def _mark_pending(self, op: LaneOp, delta: int) -> None:
+        """``pending_reads(delta)`` for an operation that needs SSD (an exception is logged once)."""
+        if self.pending_reads is None or not op.needs_ssd:
+            return
+        try:
+            self.pending_reads(delta)
+        except Exception as e:  # noqa: BLE001 - a lane never dies
+            self.errors("lanes pending reads", e)
 
     def submit(self, op: LaneOp) -> None:  # pragma: no cover - interface
         """Queue ``op``; returns at once."""
@@ -98,11 +113,14 @@ class Lanes:
         raise NotImplementedError
 
     def _execute(self, op: LaneOp) -> None:
+        """Run ``op``; its pending-read mark (set at submit) ends once its reads ended."""
         op.started_s = time.monotonic()
         try:
             op.run()
         except Exception as e:  # noqa: BLE001 - a lane never dies and nothing waits forever
             self.errors("lanes prefetch", e)
+        finally:
+            self._mark_pending(op, -1)
         op.finished_s = time.monotonic()
 
     def _complete(self, op: LaneOp) -> None:
@@ -121,14 +139,15 @@ class FifoLanes(Lanes):
 
     name = "fcfs"
 
-    def __init__(self):
-        super().__init__()
+    def __init__(self, pending_reads: Optional[Callable[[int], None]] = None):
+        super().__init__(pending_reads)
         self._q: "queue.SimpleQueue[Optional[LaneOp]]" = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._work, name="fc-lane-fifo", daemon=True)
         self._thread.start()
 
     def submit(self, op: LaneOp) -> None:
         op.lane, op.submitted_s = "fifo", time.monotonic()
+        self._mark_pending(op, +1)
         self._q.put(op)
 
     def _work(self) -> None:
@@ -151,12 +170,15 @@ class MediumAwareLanes(Lanes):
     Args:
         ssd_workers: SSD restores at once (``cio.windows``); at least 1.
         clock: the scheduler's clock (seconds); the arrival times given must use it.
+        pending_reads: ``pending_reads(+1 / -1)`` around each SSD-lane operation, from its
+            submit to the end of its reads (see the module docstring), or None.
     """
 
     name = "mas"
 
-    def __init__(self, ssd_workers: int = 1, clock: Callable[[], float] = time.monotonic):
-        super().__init__()
+    def __init__(self, ssd_workers: int = 1, clock: Callable[[], float] = time.monotonic,
+                 pending_reads: Optional[Callable[[int], None]] = None):
+        super().__init__(pending_reads)
         self.scheduler = MediumAwareScheduler(ssd_workers, clock)
         self._ops: dict[str, LaneOp] = {}
         self._cv = threading.Condition()
@@ -176,6 +198,7 @@ class MediumAwareLanes(Lanes):
             self.scheduler.submit(MasRequest(op.request_id, op.arrival_s, max_gva, max(1, op.ssd_bytes)))
             self._ops[op.request_id] = op
             self._pending += 1
+            self._mark_pending(op, +1)  # before a lane thread can run it (and end the mark)
             self._cv.notify_all()
 
     def _next_locked(self, take):
@@ -227,16 +250,17 @@ class MediumAwareLanes(Lanes):
             t.join()
 
 
-def make_lanes(name: str, ssd_workers: int = 1) -> Lanes:
-    """``"fcfs"`` -> :class:`FifoLanes`; ``"mas"`` -> :class:`MediumAwareLanes`.
+def make_lanes(name: str, ssd_workers: int = 1, pending_reads: Optional[Callable[[int], None]] = None) -> Lanes:
+    """``"fcfs"`` -> :class:`FifoLanes`; ``"mas"`` -> :class:`MediumAwareLanes`; both given
+    ``pending_reads`` (see the module docstring).
 
     Raises:
         ValueError: another name.
     """
     if name == "fcfs":
-        return FifoLanes()
+        return FifoLanes(pending_reads)
     if name == "mas":
-        return MediumAwareLanes(ssd_workers)
+        return MediumAwareLanes(ssd_workers, pending_reads=pending_reads)
     raise ValueError(f"scheduler must be 'fcfs' or 'mas', got {name!r}")
 
 
