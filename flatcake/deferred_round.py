@@ -25,6 +25,7 @@ import torch
 from flatcake.cio.pagecopy import chunk_checksums, gather_pages
 from flatcake.gva.address import MEDIUM_SSD, encode_gva
 from flatcake.gva.index import PageEntry
+from flatcake.kernels.fcds_native import fcds_host_chunks
 from flatcake.layout import KvPageLayout, PageGeometry
 from flatcake.media import extent as fmt
 from flatcake.media.directio import AlignedBuffer
@@ -40,6 +41,7 @@ class PreparedRound:
         sums: uint64 ``[layers, n]`` xxh3-64 of every chunk.
         chunk_bytes: bytes of one (page, layer) chunk.
         extent_header: the 4 KiB extent header block when the round opens an extent, else None.
+        devsums: uint64 ``[layers, n]`` device checksums of every chunk (record v3), or None.
     """
 
     plc: object
@@ -47,6 +49,7 @@ class PreparedRound:
     sums: np.ndarray
     chunk_bytes: int
     extent_header: Optional[bytes] = None
+    devsums: Optional[np.ndarray] = None
 
     @property
     def layout(self):
@@ -93,14 +96,15 @@ def prepare_round(plc, layout: KvPageLayout, geometry: PageGeometry, namespace: 
             gather_pages(layout, src, layer, tmp)
             data[layer].copy_(tmp)
     sums = chunk_checksums(arr[fmt.BLOCK: data_end], cb).reshape(L, n)
+    devsums = fcds_host_chunks(arr[fmt.BLOCK: data_end], cb).reshape(L, n)
     arr[data_end: lay.record_offset] = 0
-    rec = fmt.pack_record(namespace, plc.keys, g.layers, cb, sums, plc.scope.scope_id, plc.seq, plc.nonce)
+    rec = fmt.pack_record(namespace, plc.keys, g.layers, cb, sums, plc.scope.scope_id, plc.seq, plc.nonce, devsums)
     arr[lay.record_offset: lay.record_offset + len(rec)] = np.frombuffer(rec, dtype=np.uint8)
     arr[lay.record_offset + len(rec): lay.total_bytes] = 0
     eh = None
     if plc.new_extent is not None:
         eh = fmt.pack_extent_header(namespace, node, plc.scope.scope_id, plc.extent_seq, plc.new_extent.nbytes)
-    return PreparedRound(plc, buf, sums, cb, eh)
+    return PreparedRound(plc, buf, sums, cb, eh, devsums)
 
 
 def write_prepared(prep: PreparedRound, ssd, node: int, stats, chunk_bytes: int,
@@ -137,7 +141,8 @@ def write_prepared(prep: PreparedRound, ssd, node: int, stats, chunk_bytes: int,
     n, cb = lay.n_pages, prep.chunk_bytes
     stats.add(ssd_write_bytes=lay.total_bytes, ssd_write_ops=ops + 1, pages_written_ssd=n)
     base_off = plc.extent_file * ssd.file_bytes + plc.round_offset + fmt.BLOCK
-    return [PageEntry(encode_gva(MEDIUM_SSD, node, base_off + p * cb), plc.scope, n * cb, prep.sums[:, p].copy(),
+    both = prep.sums if prep.devsums is None else np.concatenate((prep.sums, prep.devsums))  # xxh3, device
+    return [PageEntry(encode_gva(MEDIUM_SSD, node, base_off + p * cb), plc.scope, n * cb, both[:, p].copy(),
                       generation=plc.generation) for p in range(n)]
 
 

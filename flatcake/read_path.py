@@ -152,8 +152,9 @@ class ReadPath:
         """The restore's :class:`ChunkBatch` for SSD pages ``entries[ssd_pos]``, built with numpy,
         layer-major (all pages of layer 0, then layer 1, ...): chunk (page ``i``, layer ``l``) is
         at byte ``offset_i + l * layer_stride_i`` of file ``file_i``, tag ``i`` (position in
-        ``entries``), checksum ``entries[i].checksums[l]`` when verification is on or the page
-        was rebuilt at start-up. No per-chunk objects."""
+        ``entries``), checksum ``entries[i].checksums[l]`` (and device checksum
+        ``entries[i].checksums[layers + l]`` for record-v3 rounds) when verification is on or the
+        page was rebuilt at start-up. No per-chunk objects."""
         g = self.geometry
         m, L = len(ssd_pos), g.layers
         pos = np.asarray(ssd_pos, dtype=np.int64)
@@ -169,13 +170,19 @@ class ReadPath:
         offsets = (o[None, :] + lay[:, None] * stride[None, :]).reshape(-1)  # [L, m] flattened layer-major
         verify = self.verify
         has_page = np.fromiter((e.checksums is not None and (verify or e.verify) for e in es), dtype=bool, count=m)
-        sums = np.zeros((L, m), dtype=np.uint64)
+        sums = np.zeros((2, L, m), dtype=np.uint64)  # xxh3, device checksum
+        has_dev = np.zeros(m, dtype=bool)
         for j in np.flatnonzero(has_page).tolist():
-            sums[:, j] = np.asarray(es[j].checksums, dtype=np.uint64)[:L]
+            c = np.asarray(es[j].checksums, dtype=np.uint64)  # [layers] or [2 * layers] (record v3)
+            sums[0, :, j] = c[:L]
+            if c.shape[0] >= 2 * L:
+                sums[1, :, j] = c[L: 2 * L]
+                has_dev[j] = True
         return ChunkBatch(
             np.broadcast_to(f, (L, m)).reshape(-1), offsets, np.broadcast_to(dst, (L, m)).reshape(-1),
             np.repeat(lay, m), np.broadcast_to(pos, (L, m)).reshape(-1), g.chunk_bytes,
-            checksum=sums.reshape(-1), has_checksum=np.broadcast_to(has_page[None, :], (L, m)).reshape(-1),
+            checksum=sums[0].reshape(-1), has_checksum=np.broadcast_to(has_page[None, :], (L, m)).reshape(-1),
+            devsum=sums[1].reshape(-1), has_devsum=np.broadcast_to(has_dev[None, :], (L, m)).reshape(-1),
         )
 
     def _read_ssd(self, entries, ssd_pos: list[int], layout: KvPageLayout, page_ids) -> int:

@@ -9,11 +9,12 @@ Lifecycle of one round (no lock held)::
            slot's identity (its key)                                       -> PageEntry per page
     SSD:   [extent header, if the round opens an extent: one 4 KiB pwrite]
            gather the pages layer-major into this thread's aligned buffer (one numpy copy per
-           layer and plane) -> xxh3-64 per chunk (one GIL-free call for the round)
+           layer and plane) -> xxh3-64 and device checksum per chunk (one GIL-free C call each
+           per slab; flatcake.kernels.fcds_native)
            -> pwrite(s) 1: round header | data       (the bytes; slabs of ~8 MiB of whole layers
                                                      written while the next are gathered)
-           -> pwrite 2: record (identity, keys, checksums)   (only now does the round exist)
-           -> PageEntry per page (GVA, layer stride, checksums)
+           -> pwrite 2: record v3 (identity, keys, checksums) (only now does the round exist)
+           -> PageEntry per page (GVA, layer stride, checksums: xxh3 [layers] then device [layers])
 
 The two SSD writes are ordered: a crash before the second leaves a round without a valid
 record, which a restart drops (``docs/durability.md``); the store appends the journal entry
@@ -39,6 +40,7 @@ from flatcake.config import STORAGE_BATCH_PAGES
 from flatcake.gva.address import MEDIUM_DRAM, MEDIUM_SSD, encode_gva
 from flatcake.gva.index import PageEntry
 from flatcake.gva.placement import Placement
+from flatcake.kernels import fcds_native
 from flatcake.layout import KvPageLayout, PageGeometry
 from flatcake.media import extent as fmt
 from flatcake.media.dram import DramRegion
@@ -123,6 +125,7 @@ class WritePath:
         self.stats = stats
         self._tls = threading.local()
         xxh3_bulk.warm_up()  # the GIL-free checksum loop, ready before the first round
+        fcds_native.warm_up()  # and the device checksum's host loop
 
     def write(self, plc: Placement, layout: KvPageLayout) -> list[PageEntry]:
         """Write round ``plc`` from pages ``plc.src_pages`` of ``layout``.
@@ -189,21 +192,25 @@ class WritePath:
         """Gather, checksum and write header | data (``view[:record_offset]``), pipelined: each
         slab of about :data:`PIPELINE_BYTES` (whole layers) is handed to the write thread as
         soon as it is gathered and hashed, cut at a 4 KiB boundary, while the next slab is
-        gathered. Returns ``(sums uint64 [layers, n], pwrite calls)``; every write has ended
-        when it returns or raises (the buffer is this thread's and is reused next round)."""
+        gathered. Returns ``(sums, devsums, pwrite calls)``: uint64 ``[layers, n]`` xxh3-64 and
+        device checksums (:mod:`flatcake.kernels.device_checksum`) of every chunk; every write
+        has ended when it returns or raises (the buffer is this thread's and is reused next round)."""
         g, lay = self.geometry, plc.layout
         n, cb, L = lay.n_pages, g.chunk_bytes, g.layers
         slab = n * cb
         data_end = fmt.BLOCK + L * slab
         data = torch.from_numpy(arr[fmt.BLOCK: data_end]).view(L, n, cb)
         sums = np.empty((L, n), dtype=np.uint64)
+        devsums = np.empty((L, n), dtype=np.uint64)
         step = max(1, PIPELINE_BYTES // max(1, slab))
         futures, sent = [], 0
         try:
             for l0 in range(0, L, step):
                 l1 = min(L, l0 + step)
                 self._gather_layers(plc, layout, data, l0, l1)
-                sums[l0:l1] = chunk_checksums(arr[fmt.BLOCK + l0 * slab: fmt.BLOCK + l1 * slab], cb).reshape(l1 - l0, n)
+                part = arr[fmt.BLOCK + l0 * slab: fmt.BLOCK + l1 * slab]
+                sums[l0:l1] = chunk_checksums(part, cb).reshape(l1 - l0, n)
+                devsums[l0:l1] = fcds_native.fcds_host_chunks(part, cb).reshape(l1 - l0, n)
                 cut = align_down(fmt.BLOCK + l1 * slab, fmt.BLOCK) if l1 < L else sent
                 if cut > sent:
                     futures.append(_writer().submit(self.ssd.write, plc.extent_file, plc.round_offset + sent,
@@ -216,7 +223,7 @@ class WritePath:
         err = next((e for e in errs if e is not None), None)
         if err is not None:
             raise err
-        return sums, len(futures) + 1
+        return sums, devsums, len(futures) + 1
 
     def _write_ssd(self, plc: Placement, layout: KvPageLayout) -> list[PageEntry]:
         """Write the round: header | layer-major data (pipelined slabs, :meth:`_write_data`), then,
@@ -230,8 +237,9 @@ class WritePath:
         view = self._scratch(lay.total_bytes)
         arr = np.frombuffer(view, dtype=np.uint8, count=lay.total_bytes)
         view[: fmt.BLOCK] = fmt.pack_round_header(lay, plc.seq, plc.scope.scope_id, plc.nonce)
-        sums, ops = self._write_data(plc, layout, view, arr)  # the bytes first
-        rec = fmt.pack_record(self.namespace, plc.keys, g.layers, cb, sums, plc.scope.scope_id, plc.seq, plc.nonce)
+        sums, devsums, ops = self._write_data(plc, layout, view, arr)  # the bytes first
+        rec = fmt.pack_record(self.namespace, plc.keys, g.layers, cb, sums, plc.scope.scope_id, plc.seq, plc.nonce,
+                              devsums)
         arr[lay.record_offset: lay.record_offset + len(rec)] = np.frombuffer(rec, dtype=np.uint8)
         arr[lay.record_offset + len(rec): lay.total_bytes] = 0
         self.ssd.write(plc.extent_file, plc.round_offset + lay.record_offset, view[lay.record_offset: lay.total_bytes],
@@ -239,8 +247,9 @@ class WritePath:
         self.stats.add(ssd_write_bytes=lay.total_bytes, ssd_write_ops=ops + 1, pages_written_ssd=n)
         stride = n * cb
         base_off = plc.extent_file * self.ssd.file_bytes + plc.round_offset + fmt.BLOCK
+        both = np.concatenate((sums, devsums))  # [2 * layers, n]: xxh3 rows, then device rows
         return [
-            PageEntry(encode_gva(MEDIUM_SSD, self.node, base_off + p * cb), plc.scope, stride, sums[:, p].copy(),
+            PageEntry(encode_gva(MEDIUM_SSD, self.node, base_off + p * cb), plc.scope, stride, both[:, p].copy(),
                       generation=plc.generation)
             for p in range(n)
         ]

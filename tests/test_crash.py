@@ -44,7 +44,7 @@ CHILD = textwrap.dedent("""
             if magic == b"FCROUND2" and stage == "mid_data":  # the data write lands half way
                 real_write(f, off, buf[: len(buf) // 2 // 4096 * 4096], generation)
                 die()
-            if magic == b"FCRECRD2" and stage == "before_record":
+            if magic == b"FCRECRD3" and stage == "before_record":
                 die()
         real_write(f, off, buf, generation)
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 import numpy as np
+import torch
 
 from flatcake.cio.engines import IoPiece, split_pieces
 from flatcake.cio.pagecopy import checksums_at
@@ -154,4 +155,60 @@ def verify_chunks(host, b0: np.ndarray, idx: np.ndarray, chunks: ChunkBatch, chu
         for i in idx[pos].tolist():
             errors.report("verify", "checksum", f"chunk tag {int(chunks.tag[i])} (file "
                           f"{int(chunks.file_index[i])} @ {int(chunks.offset[i])})")
+    return ok
+
+
+def verify_chunks_device(buf, b0: np.ndarray, idx: np.ndarray, chunks: ChunkBatch, chunk_bytes: int,
+                         errors: ErrorLog, impl: Optional[str] = None, counter=None) -> np.ndarray:
+    """Checksum check of fully read chunks where they landed: a staging buffer in HBM (or any
+    tensor), without copying chunk bytes to the host (paper §3.3; the GPU restore's verify).
+
+    Chunks with a device checksum (record v3) are checked by the device checksum kernel
+    (:func:`flatcake.kernels.device_checksum.fcds_at`: Triton on CUDA, or on CPU under
+    ``TRITON_INTERPRET=1``; else the bit-identical torch version) on ``buf``'s device, compared
+    there; only the bool mask (one byte per chunk) comes back. Chunks with only an xxh3-64 (a
+    record v2 round from an older pool) are copied to the host, those chunks only, and checked
+    with xxh3 as :func:`verify_chunks` does — never served unverified.
+
+    Args:
+        buf: uint8 ``[nbytes]`` staging tensor (CUDA or CPU).
+        b0: int64 ``[m]`` byte offsets of the chunks in ``buf``.
+        idx: int64 ``[m]`` positions of the chunks in ``chunks``.
+        chunks: the restore's batch (``devsum``/``has_devsum``, ``checksum``/``has_checksum``).
+        chunk_bytes: bytes per chunk.
+        errors: where each mismatch is reported (``verify`` / ``checksum``, logged once).
+        impl: ``"triton"``, ``"torch"`` or ``None`` (Triton where it runs).
+        counter: optional object with a ``d2h_bytes`` int attribute, incremented by the bytes
+            copied device-to-host (the mask, and the chunks of v2 records).
+
+    Returns:
+        bool ``[m]``: True where the chunk may be scattered.
+    """
+    from flatcake.kernels.device_checksum import as_int64, fcds_at
+
+    m = b0.shape[0]
+    ok = np.ones(m, dtype=bool)
+    dev = chunks.has_devsum[idx]
+    old = chunks.has_checksum[idx] & ~dev
+    on_gpu = buf.device.type != "cpu"
+    if dev.any():
+        sel = np.flatnonzero(dev)
+        starts = torch.from_numpy(np.ascontiguousarray(b0[sel])).to(buf.device, non_blocking=True)
+        want = torch.from_numpy(as_int64(chunks.devsum[idx[sel]])).to(buf.device, non_blocking=True)
+        good = (fcds_at(buf, starts, chunk_bytes, impl) == want).cpu().numpy()  # the mask: m bytes
+        if counter is not None and on_gpu:
+            counter.d2h_bytes += int(good.nbytes)
+        ok[sel] = good
+    if old.any():
+        sel = np.flatnonzero(old)
+        rows = torch.from_numpy(np.ascontiguousarray(b0[sel])).to(buf.device)[:, None] + \
+            torch.arange(chunk_bytes, device=buf.device)[None, :]
+        host = buf[rows].reshape(-1).cpu().numpy()  # only the chunks of record-v2 rounds
+        if counter is not None and on_gpu:
+            counter.d2h_bytes += int(host.nbytes)
+        got = checksums_at(host, np.arange(sel.shape[0], dtype=np.int64) * chunk_bytes, chunk_bytes)
+        ok[sel] = got == chunks.checksum[idx[sel]]
+    for i in idx[~ok].tolist():
+        errors.report("verify", "checksum", f"chunk tag {int(chunks.tag[i])} (file "
+                      f"{int(chunks.file_index[i])} @ {int(chunks.offset[i])})")
     return ok

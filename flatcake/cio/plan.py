@@ -49,6 +49,10 @@ class ChunkBatch:
         tag: int64 ``[n]`` caller's ids, reported in ``failed_tags``.
         checksum: uint64 ``[n]`` expected ``xxh3_64_intdigest`` of the chunk bytes (0 where absent).
         has_checksum: bool ``[n]`` whether ``checksum[i]`` is meaningful.
+        devsum: uint64 ``[n]`` expected device checksum of the chunk bytes
+            (:mod:`flatcake.kernels.device_checksum`; 0 where absent): a GPU restore verifies
+            these in HBM; chunks without one fall back to ``checksum`` (host copy).
+        has_devsum: bool ``[n]`` whether ``devsum[i]`` is meaningful (False everywhere unless given).
         nbytes: chunk size in bytes: an ``int`` shared by every chunk (``chunk_bytes``: what the
             restore path builds), or an int64 ``[n]`` array when sizes differ.
 
@@ -59,9 +63,11 @@ class ChunkBatch:
     a plan built from the batch is in use.
     """
 
-    __slots__ = ("file_index", "offset", "page", "layer", "tag", "checksum", "has_checksum", "nbytes")
+    __slots__ = ("file_index", "offset", "page", "layer", "tag", "checksum", "has_checksum", "devsum", "has_devsum",
+                 "nbytes")
 
-    def __init__(self, file_index, offset, page, layer, tag, nbytes, checksum=None, has_checksum=None):
+    def __init__(self, file_index, offset, page, layer, tag, nbytes, checksum=None, has_checksum=None, devsum=None,
+                 has_devsum=None):
         self.file_index = _i64(file_index)
         n = self.file_index.shape[0]
         self.offset = _i64(offset)
@@ -76,12 +82,16 @@ class ChunkBatch:
             self.checksum = np.ascontiguousarray(checksum, dtype=np.uint64).reshape(-1)
             self.has_checksum = np.ones(n, dtype=bool) if has_checksum is None else \
                 np.ascontiguousarray(has_checksum, dtype=bool).reshape(-1)
+        self.devsum = np.zeros(n, dtype=np.uint64) if devsum is None else \
+            np.ascontiguousarray(devsum, dtype=np.uint64).reshape(-1)
+        self.has_devsum = np.zeros(n, dtype=bool) if has_devsum is None else \
+            np.ascontiguousarray(has_devsum, dtype=bool).reshape(-1)
         if isinstance(nbytes, (int, np.integer)):
             self.nbytes = int(nbytes)
         else:
             nb = _i64(nbytes)
             self.nbytes = int(nb[0]) if (nb.shape[0] and (nb == nb[0]).all()) else nb
-        for name in ("offset", "page", "layer", "tag", "checksum", "has_checksum"):
+        for name in ("offset", "page", "layer", "tag", "checksum", "has_checksum", "devsum", "has_devsum"):
             if getattr(self, name).shape[0] != n:
                 raise ValueError(f"ChunkBatch.{name} has {getattr(self, name).shape[0]} entries, expected {n}")
         if not isinstance(self.nbytes, int) and self.nbytes.shape[0] != n:

@@ -22,7 +22,9 @@ Guarantees:
   turn the affected chunks' tags into ``RestoreReport.failed_tags``; each distinct error is
   logged once.
 * **No stale bytes.** A chunk is scattered only if every byte of it was read by *this* restore
-  (and, with ``cfg.verify_checksums`` and a checksum given, its xxh3-64 matches); a slot whose
+  (and, with ``cfg.verify_checksums`` and a checksum given, its checksum matches: xxh3-64 on host
+  staging; on HBM staging the device checksum, computed by a Triton kernel where the chunk
+  landed, only a bool mask copied back — xxh3 on a host copy for record-v2 rounds); a slot whose
   chunk failed keeps its previous contents.
 * **Thread-safe, O(1) staging.** Any number of threads may call :meth:`restore`; they share
   ``cfg.windows`` windows of two ``staging_bytes`` buffers, allocated once at start-up.
@@ -43,7 +45,7 @@ import numpy as np
 import torch
 
 from flatcake.align import ALIGN, align_up
-from flatcake.cio.batch import StagingBatch, verify_chunks
+from flatcake.cio.batch import StagingBatch, verify_chunks, verify_chunks_device
 from flatcake.cio.engines import IoEngine, PosixEngine
 from flatcake.cio.kvikio_engine import EngineUnavailableError, KvikioEngine, select_engine
 from flatcake.cio.plan import ChunkBatch, MergedRead, batch_reads, plan_reads
@@ -106,6 +108,16 @@ class RestoreReport:
     io_requests: int = 0
 
 
+class DeviceVerifyCounter:
+    """Bytes a device-staging restore copied device-to-host to verify chunks (the mask's bytes,
+    plus the chunks of record-v2 rounds): the GPU check asserts it stays at the mask's size.
+    ``d2h_bytes`` is updated with ``+=`` from restore threads (a diagnostic; exact when restores
+    do not overlap)."""
+
+    def __init__(self):
+        self.d2h_bytes = 0
+
+
 class RestoreEngine:
     """FC-CIO read path: coalesced reads into a fixed double-buffered window, then scatter.
 
@@ -132,6 +144,8 @@ class RestoreEngine:
         staging: the :class:`~flatcake.cio.staging.StagingPool` of ``cfg.windows`` windows.
         worker_scatter: chunks are verified and scattered by a small pool as each I/O piece
             lands (POSIX engine + torch scatter), not after the whole batch.
+        device_verify: :class:`DeviceVerifyCounter` of the bytes HBM-staging verification copied
+            to the host (:func:`~flatcake.cio.batch.verify_chunks_device`).
 
     Raises:
         EngineUnavailableError: ``cfg.engine='kvikio'`` but kvikio cannot move bytes here, or a
@@ -192,6 +206,7 @@ class RestoreEngine:
             self._streams = [torch.cuda.Stream(self.device) for _ in range(cfg.windows)]
         self._closed = False
         self._close_lock = threading.Lock()
+        self.device_verify = DeviceVerifyCounter()
         log.info(
             "FC-CIO: engine=%s (%s), direct_io=%s, io_workers=%d, staging %d windows x 2 x %d bytes on %s, "
             "scatter=%s, gap_bytes=%d, max_io_bytes=%d",
@@ -422,8 +437,11 @@ class RestoreEngine:
         if not scatter:  # reads-only mode: the bytes stay in staging
             return
         if self.cfg.verify_checksums and b0.shape[0] and ch.has_checksum[idx].any():
-            host = buf.array if buf.array is not None else buf.tensor[: st.used].cpu().numpy()
-            ok = self._verify(host, b0, idx, ch)
+            if buf.array is not None:
+                ok = self._verify(buf.array, b0, idx, ch)
+            else:  # HBM staging: checked in place, only the mask comes back (record v2: xxh3 on a copy)
+                ok = verify_chunks_device(buf.tensor, b0, idx, ch, self.chunk_bytes, self.errors,
+                                          counter=self.device_verify)
             if not ok.all():
                 failed.update(ch.tag[idx[~ok]].tolist())
                 b0, idx = b0[ok], idx[ok]

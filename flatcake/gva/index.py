@@ -133,7 +133,9 @@ class PageEntry:
         scope: owning scope (pin it before touching the bytes).
         layer_stride: bytes from layer ``l``'s chunk to layer ``l+1``'s (SSD: round pages ×
             chunk bytes; DRAM: chunk bytes).
-        checksums: uint64 ``[layers]`` xxh3-64 of each chunk (SSD), or ``None`` (DRAM).
+        checksums: SSD: uint64 ``[2 * layers]``, xxh3-64 of each chunk then its device checksum
+            (record v3, :mod:`flatcake.kernels.device_checksum`), or ``[layers]`` xxh3 only (rounds
+            of record v2); ``None`` (DRAM).
         verify: always check the checksums on read, whatever ``cio.verify_checksums`` says
             (pages rebuilt at start-up, whose bytes this process did not write).
         generation: SSD: the generation of the pool file the page was written under; a read

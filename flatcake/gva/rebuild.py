@@ -117,7 +117,7 @@ def round_entries(rec: fmt.RoundRecord, e: JournalEntry, scope, ssd: SsdFilePool
     n, cb = len(rec.keys), rec.chunk_bytes
     base = e.file_index * ssd.file_bytes + e.round_offset + fmt.BLOCK
     gen = ssd.generation_of(e.file_index)
-    return [PageEntry(encode_gva(MEDIUM_SSD, node, base + p * cb), scope, n * cb, rec.checksums[:, p].copy(), True, gen)
+    return [PageEntry(encode_gva(MEDIUM_SSD, node, base + p * cb), scope, n * cb, rec.page_checksums(p), True, gen)
             for p in range(n)]
 
 

@@ -9,8 +9,11 @@ preallocated pool file. Inside an extent::
 * data: chunk(page p, layer l) at ``BLOCK + (l * n_pages + p) * chunk_bytes`` from the round's
   start; so one layer of a round is one contiguous range.
 * record: namespace digest, the round's identity (scope id, sequence number, nonce), page
-  count, layers, chunk bytes, the page keys, and the xxh3-64 of every chunk; its own xxh3-64
-  last. It is written *after* the header and data, by a second write (see
+  count, layers, chunk bytes, the page keys, the xxh3-64 of every chunk and (record version 3,
+  magic ``FCRECRD3``) the device checksum of every chunk
+  (:mod:`flatcake.kernels.device_checksum`, verified in HBM by a GPU restore); its own xxh3-64
+  last. A version-2 record (``FCRECRD2``, no device checksums) is still read: its chunks are
+  verified with xxh3 (on a GPU restore, after a host copy of those chunks). It is written *after* the header and data, by a second write (see
   ``docs/durability.md``): a round whose record does not validate (torn write) does not exist.
 
 Every round carries a random 64-bit *nonce*, in its header and in its record. A reader accepts
@@ -27,7 +30,7 @@ from __future__ import annotations
 import os
 import struct
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 import xxhash
@@ -37,7 +40,8 @@ from flatcake.align import ALIGN, align_up
 BLOCK = ALIGN  # bytes: every header, record and round starts and ends on a 4 KiB block
 EXTENT_MAGIC = b"FCEXTNT2"
 ROUND_MAGIC = b"FCROUND2"
-RECORD_MAGIC = b"FCRECRD2"
+RECORD_MAGIC_V2 = b"FCRECRD2"  #: record without device checksums (older pools; still read)
+RECORD_MAGIC = b"FCRECRD3"  #: record with xxh3-64 and device checksums per chunk
 FORMAT_VERSION = 2
 
 _EXT = struct.Struct("<8sIIQQQ16sI")  # magic, version, node, scope_id, extent_seq, reserved_bytes, ns digest, ns len
@@ -131,10 +135,10 @@ class RoundLayout:
         return BLOCK + (layer * self.n_pages + page) * self.chunk_bytes
 
 
-def record_size(keys: Sequence[str], layers: int) -> int:
-    """Unpadded bytes of a round's record."""
+def record_size(keys: Sequence[str], layers: int, device_sums: bool = True) -> int:
+    """Unpadded bytes of a round's record (version 3 with ``device_sums``, else version 2)."""
     kb = sum(2 + len(k.encode()) for k in keys)
-    return _REC.size + _REC_SEQ.size + kb + 8 * layers * len(keys) + 8
+    return _REC.size + _REC_SEQ.size + kb + (16 if device_sums else 8) * layers * len(keys) + 8
 
 
 def round_layout(keys: Sequence[str], layers: int, chunk_bytes: int) -> RoundLayout:
@@ -170,7 +174,7 @@ def unpack_round_header(block: bytes) -> RoundHeader | None:
 
 
 def pack_record(namespace: str, keys: Sequence[str], layers: int, chunk_bytes: int, checksums: np.ndarray,
-                scope_id: int, seq: int, nonce: int) -> bytes:
+                scope_id: int, seq: int, nonce: int, devsums: Optional[np.ndarray] = None) -> bytes:
     """The record written after a round's data.
 
     Args:
@@ -179,21 +183,32 @@ def pack_record(namespace: str, keys: Sequence[str], layers: int, chunk_bytes: i
         layers, chunk_bytes: the round's geometry.
         checksums: uint64 ``[layers, n_pages]``, xxh3-64 of every chunk.
         scope_id, seq, nonce: the round's identity, as in its header.
+        devsums: uint64 ``[layers, n_pages]`` device checksums of every chunk
+            (:func:`flatcake.kernels.fcds_native.fcds_host_chunks`): a version-3 record; ``None``
+            writes a version-2 record (xxh3 only).
+
+    Returns:
+        The record's bytes (unpadded; at most :func:`record_size`).
     """
     kparts = []
     for k in keys:
         kb = k.encode()
         kparts.append(struct.pack("<H", len(kb)) + kb)
     kbytes = b"".join(kparts)
-    body = _REC.pack(RECORD_MAGIC, namespace_digest(namespace), len(keys), layers, chunk_bytes, len(kbytes),
+    magic = RECORD_MAGIC if devsums is not None else RECORD_MAGIC_V2
+    body = _REC.pack(magic, namespace_digest(namespace), len(keys), layers, chunk_bytes, len(kbytes),
                      scope_id, nonce) + _REC_SEQ.pack(seq) + kbytes
     body += np.ascontiguousarray(checksums, dtype="<u8").tobytes()
+    if devsums is not None:
+        body += np.ascontiguousarray(devsums, dtype="<u8").tobytes()
     return _seal(body)
 
 
 @dataclass(frozen=True)
 class RoundRecord:
-    """Decoded record: digest, identity, keys, chunk size and checksums ``[layers, n_pages]``."""
+    """Decoded record: digest, identity, keys, chunk size, xxh3-64 ``checksums`` and (version 3)
+    device checksums ``devsums`` (uint64 ``[layers, n_pages]`` each; ``devsums`` is ``None`` for a
+    version-2 record)."""
 
     ns_digest: bytes
     keys: tuple[str, ...]
@@ -203,6 +218,15 @@ class RoundRecord:
     scope_id: int = 0
     seq: int = 0
     nonce: int = 0
+    devsums: Optional[np.ndarray] = None
+
+    def page_checksums(self, p: int) -> np.ndarray:
+        """Page ``p``'s checksums as a :class:`~flatcake.gva.index.PageEntry` carries them: uint64
+        ``[2 * layers]`` (xxh3-64 of each layer's chunk, then its device checksum), or
+        ``[layers]`` (xxh3 only) for a version-2 record."""
+        if self.devsums is None:
+            return self.checksums[:, p].copy()
+        return np.concatenate((self.checksums[:, p], self.devsums[:, p]))
 
     def matches(self, header: RoundHeader) -> bool:
         """True when this record belongs to the round that ``header`` opens (same identity and geometry)."""
@@ -213,12 +237,14 @@ class RoundRecord:
 
 def unpack_record(buf: bytes) -> RoundRecord | None:
     """Parse and validate a record; ``None`` if torn or not a record."""
-    if buf[:8] != RECORD_MAGIC or len(buf) < _REC.size + _REC_SEQ.size:
+    magic = bytes(buf[:8])
+    if magic not in (RECORD_MAGIC, RECORD_MAGIC_V2) or len(buf) < _REC.size + _REC_SEQ.size:
         return None
+    per_chunk = 16 if magic == RECORD_MAGIC else 8
     _, dig, n, layers, cb, kb, sid, nonce = _REC.unpack_from(buf)
     (seq,) = _REC_SEQ.unpack_from(buf, _REC.size)
     o = _REC.size + _REC_SEQ.size
-    end = o + kb + 8 * layers * n
+    end = o + kb + per_chunk * layers * n
     if end + 8 > len(buf) or _check(bytes(buf[: end + 8])) is None:
         return None
     keys = []
@@ -226,5 +252,6 @@ def unpack_record(buf: bytes) -> RoundRecord | None:
         (ln,) = struct.unpack_from("<H", buf, o)
         keys.append(bytes(buf[o + 2 : o + 2 + ln]).decode())
         o += 2 + ln
-    sums = np.frombuffer(bytes(buf[o:end]), dtype="<u8").reshape(layers, n).copy()
-    return RoundRecord(dig, tuple(keys), layers, cb, sums, sid, seq, nonce)
+    sums = np.frombuffer(bytes(buf[o:end]), dtype="<u8").reshape(-1, layers, n)
+    dev = sums[1].astype(np.uint64) if per_chunk == 16 else None
+    return RoundRecord(dig, tuple(keys), layers, cb, sums[0].astype(np.uint64), sid, seq, nonce, dev)
