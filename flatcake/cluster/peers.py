@@ -22,6 +22,10 @@ from flatcake.cluster.transfer import DataPlaneDescriptor, descriptor_key, looku
 
 log = logging.getLogger(__name__)
 
+#: first back-off (seconds) after a failed transfer from a node; doubled per failure up to SUSPEND_MAX_S
+SUSPEND_MIN_S = 2.0
+SUSPEND_MAX_S = 60.0
+
 
 class DescriptorKeeper:
     """Publishes ``desc`` on the node's lease now and again whenever the lease id changes or the
@@ -92,6 +96,7 @@ class PeerDirectory:
         self.session, self.prefix, self.retry_s, self.clock = session, prefix, retry_s, clock
         self._cache: dict[int, DataPlaneDescriptor] = {}
         self._absent_until: dict[int, float] = {}
+        self._suspended: dict[int, tuple[float, float]] = {}  # node -> (until, last back-off)
         self._lock = threading.Lock()
         self.lookups = 0
 
@@ -108,7 +113,7 @@ class PeerDirectory:
             try:
                 desc = lookup_descriptor(self.session, self.prefix, node)
             except Exception as e:
-                log.info("data-plane descriptor of node %d: lookup failed (%s)", node, e)
+                log.warning("data-plane descriptor of node %d: lookup failed (%s)", node, e)
                 desc = None
             if desc is None:
                 self._absent_until[node] = self.clock() + self.retry_s
@@ -122,3 +127,26 @@ class PeerDirectory:
         with its lease, and an absent descriptor is not looked up again for ``retry_s``)."""
         with self._lock:
             self._cache.pop(node, None)
+
+    def suspend(self, node: int) -> None:
+        """A transfer from ``node`` failed: forget its descriptor and read nothing from it for a
+        back-off of :data:`SUSPEND_MIN_S` seconds, doubled on each further failure up to
+        :data:`SUSPEND_MAX_S` (reset by :meth:`succeeded`). Bounds how many landing buffers a dead
+        or cut-off owner can put into quarantine while its records outlive it."""
+        with self._lock:
+            self._cache.pop(node, None)
+            _until, last = self._suspended.get(node, (0.0, 0.0))
+            backoff = min(SUSPEND_MAX_S, last * 2) if last else SUSPEND_MIN_S
+            self._suspended[node] = (self.clock() + backoff, backoff)
+
+    def suspended(self, node: int) -> bool:
+        """True while reads from ``node`` are suspended (they are misses without a transfer)."""
+        s = self._suspended.get(node)
+        return s is not None and self.clock() < s[0]
+
+    def succeeded(self, node: int) -> None:
+        """A read from ``node`` went through: its next failure starts the back-off afresh."""
+        if node in self._suspended:
+            with self._lock:
+                self._suspended.pop(node, None)
+

@@ -6,7 +6,8 @@ Lifecycle of a remote read::
     pages from the cluster view (None where no node has the key)
       -> grouped by (owner node, medium), each group read from its owner
          (descriptor from the PeerDirectory; DRAM: RemoteDramReader, SSD: RemoteSsdReader)
-      -> a group that failed (owner gone, cut off, restarted) drops the owner's cached descriptor
+      -> an owner whose transfer failed is suspended for a back-off (its pages are misses without
+         a transfer); one that was silent or unknown has its descriptor looked up again
       -> one RemoteReadResult: hit/miss per page, misses by cause
 
 Never raises for an I/O fault; a miss is a miss whatever its cause.
@@ -25,8 +26,9 @@ from flatcake.cluster.remote_ssd_reader import RemoteSsdReader
 from flatcake.cluster.transfer import RemoteReadResult
 from flatcake.gva.address import MEDIUM_DRAM, MEDIUM_SSD, medium_of
 
-#: miss causes that make the owner's descriptor suspect (looked up again before the next read)
-SUSPECT = ("failed", "timeout", "unknown_owner")
+#: miss causes that make the owner's descriptor suspect (looked up again before the next read);
+#: a failed transfer also suspends reads from the owner for a back-off (PeerDirectory.suspend)
+SUSPECT = ("timeout", "unknown_owner")
 
 
 class RemoteReader:
@@ -50,7 +52,8 @@ class RemoteReader:
             out: optional uint8 ``[>= n, layers * chunk_bytes]`` for the pages' bytes.
 
         Returns:
-            :class:`RemoteReadResult` ``[n]`` with ``misses`` also holding ``not_in_view``.
+            :class:`RemoteReadResult` ``[n]`` with ``misses`` also holding ``not_in_view`` (and
+            ``suspended``: pages of an owner in back-off after a failed transfer).
 
         Raises:
             ValueError: ``out`` has the wrong shape.
@@ -65,6 +68,9 @@ class RemoteReader:
             else:
                 groups.setdefault((p.node, medium_of(p.gva)), []).append(i)
         for (node, medium), idx in groups.items():
+            if self.peers.suspended(node):  # a transfer from it failed recently: no transfer now
+                res.misses["suspended"] = res.misses.get("suspended", 0) + len(idx)
+                continue
             whole = len(idx) == len(pages)  # one group in order: read straight into res.data
             part = self._read_group(node, medium, [pages[i] for i in idx], layers, chunk_bytes,
                                     res.data if whole else None)
@@ -76,8 +82,12 @@ class RemoteReader:
                 res.data[sel] = part.data[part.hit]
             for k, v in part.misses.items():
                 res.misses[k] = res.misses.get(k, 0) + v
-            if any(part.misses.get(k) for k in SUSPECT):
+            if part.misses.get("failed"):  # a transfer failed: back off from this owner
+                self.peers.suspend(node)
+            elif any(part.misses.get(k) for k in SUSPECT):  # silent or unknown: look it up again
                 self.peers.invalidate(node)
+            elif part.hit.any():
+                self.peers.succeeded(node)
         return res
 
     def _read_group(self, node: int, medium: int, pages: list, layers: int, chunk_bytes: int,

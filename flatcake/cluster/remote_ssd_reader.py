@@ -180,8 +180,9 @@ class RemoteSsdReader:
                 msg = self._recv(sock, rid)
                 self.wait_s += time.perf_counter() - t0
                 if msg is None:
-                    for bid, _w, _b in inflight:  # the landing windows must be ours again first
-                        self.endpoint.wait(bid)
+                    # the landing windows must be ours again first; a pull that failed may still land
+                    if not all([self.endpoint.wait(bid) for bid, _w, _b in inflight]):
+                        self.pool.retire()
                     return self._timed_out(desc)
                 left -= 1
                 if msg[0] != "ready":

@@ -192,7 +192,7 @@ class LandingPool:
         clock: monotonic seconds, for tests.
     """
 
-    def __init__(self, endpoint, nbytes: int, quarantine_s: float = 60.0, max_quarantined: int = 4,
+    def __init__(self, endpoint, nbytes: int, quarantine_s: float = 60.0, max_quarantined: int = 8,
                  clock=time.monotonic):
         self.endpoint, self.nbytes = endpoint, nbytes
         self.quarantine_s, self.max_quarantined, self.clock = quarantine_s, max_quarantined, clock

@@ -187,6 +187,10 @@ def test_a_killed_mid_read_gives_b_misses_for_the_unread_pages_and_nothing_raise
     assert got["misses"]["timeout"] + got["misses"]["failed"] == hits.count(False)
     assert [_data(got, i) for i in range(24) if hits[i]] == \
         [page_data(31, k, PAGE).tobytes() for i, k in enumerate(every) if hits[i]]
-    # A's DRAM pages, resolved before the kill: the transfer is refused at once, a miss
+    # A's DRAM pages, resolved before the kill: the transfer is refused at once (failed); or A is
+    # already suspended (a pull of the SSD read above failed); or its descriptor lookup, redone
+    # after that read's timeout, did not answer in time (unknown_owner): misses in every case
     late = b.must("read", handle=hd)
-    assert late["hit"] == [False] * 8 and late["misses"]["failed"] == 8
+    assert late["hit"] == [False] * 8
+    m = late["misses"]
+    assert m["failed"] + m.get("suspended", 0) + m["unknown_owner"] == 8, f"{m} after {got['misses']}"

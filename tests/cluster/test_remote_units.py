@@ -174,8 +174,32 @@ def test_remote_reader_routes_by_node_and_medium_and_merges_the_results():
     assert res.misses["not_in_view"] == 1 and res.misses["failed"] == 1
     assert dram.calls == [(1, [pg[0].gva, pg[3].gva])] and ssd.calls == [(2, [pg[2].gva])]
     gets = s.gets
-    r.read(pg[2:3], 2, 8)  # node 2's descriptor was dropped after its failed read: looked up again
-    assert s.gets == gets + 1
+    again = r.read(pg, 2, 8)  # node 2's transfer failed: suspended, no transfer, no lookup
+    assert again.hit.tolist() == [True, False, False, True] and again.misses["suspended"] == 1
+    assert ssd.calls == [(2, [pg[2].gva])] and s.gets == gets
+
+
+def test_a_failed_owner_is_suspended_with_a_doubling_back_off_reset_by_a_success():
+    from flatcake.cluster.peers import SUSPEND_MAX_S, SUSPEND_MIN_S, PeerDirectory
+
+    s, now = _FakeSession(), [0.0]
+    s.kv[descriptor_key("/fc", 4)] = DataPlaneDescriptor(4, "h4:1").encode()
+    peers = PeerDirectory(s, "/fc", clock=lambda: now[0])
+    assert peers.get(4) is not None and not peers.suspended(4)
+    backoffs = []
+    for _ in range(7):
+        peers.suspend(4)
+        start = now[0]
+        while peers.suspended(4):
+            now[0] += 0.5
+        backoffs.append(now[0] - start)
+    assert backoffs == [SUSPEND_MIN_S * 2 ** i if SUSPEND_MIN_S * 2 ** i < SUSPEND_MAX_S else SUSPEND_MAX_S
+                        for i in range(7)]
+    peers.succeeded(4)
+    peers.suspend(4)
+    assert peers.suspended(4)
+    now[0] += SUSPEND_MIN_S
+    assert not peers.suspended(4) and peers.get(4) is not None
 
 
 def test_data_plane_settings_are_validated_naming_the_field():
