@@ -17,6 +17,10 @@ Checks, each a section of ``gpu_results.json``:
                         ``(t_reads + t_scatter - t_restore) / t_scatter``, clipped to [0, 1].
 6. ``kernel``           scatter throughput (GB/s) of the Triton kernel, the torch path and a plain
                         per-plane ``index_copy_``.
+7. ``device_verify``    restore into HBM with checksums verified in place by the device checksum
+                        kernel: the check ran, no D2H copy beyond one mask byte per chunk,
+                        bit-exact, timing with/without verification (scripts/gpu_check_verify.py;
+                        skipped with the reason without a GPU).
 
 Writes ``gpu_results.json`` and ``gpu_results.md`` (a markdown table) to ``--out``, else ``$OUT``,
 else ``runs/gpu/``.
@@ -38,6 +42,7 @@ if DRY:  # the Triton interpreter must be chosen before triton is imported
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # gpu_check_verify
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -49,6 +54,7 @@ from flatcake.config import CioConfig  # noqa: E402
 from flatcake.kernels.scatter import scatter_chunks  # noqa: E402
 from flatcake.layout import KvPageLayout  # noqa: E402
 from flatcake.media.directio import drop_page_cache  # noqa: E402
+from gpu_check_verify import device_verify_check  # noqa: E402
 
 GB = 1e9
 
@@ -419,6 +425,9 @@ def main(argv=None) -> int:
     print("restore:", json.dumps(res["restore"]), "\noverlap:", json.dumps(res["overlap"]), flush=True)
     res["kernel"] = kernel_throughput(device, dry)
     print("kernel:", json.dumps(res["kernel"]), flush=True)
+    res["device_verify"] = device_verify_check(device, work, dry, device_kv=device_kv, write_random=write_random,
+                                               rounds=_rounds, bytes_equal=_bytes_equal)
+    print("device verify:", json.dumps(res["device_verify"]), flush=True)
     res["runtime_s"] = time.perf_counter() - t0
     (out_dir / "gpu_results.json").write_text(json.dumps(res, indent=2))
     md = markdown(res)
