@@ -295,7 +295,8 @@ def run_replay(cfg: FlatCakeConfig, settings: dict[str, Any], profile: ModelProf
     fc_keys = _flatten(cfg.model_dump(exclude={"model", "replay"}))
     names = list(settings["systems"])
     if settings["disk_budget"]:  # all systems hold their data at once
-        check_disk_budget(names, unique * profile.page_bytes, fc_keys, settings["file_extra"], out, together=True)
+        est = unique * profile.page_bytes + len(reqs) * profile.trailing_bytes  # hybrid: + each request's window
+        check_disk_budget(names, est, fc_keys, settings["file_extra"], out, together=True)
     out.mkdir(parents=True, exist_ok=True)  # only once the trace has been read and the run fits
     if profile.hybrid:  # SGLang's v2 pool interface (flatcake/replay/hybrid*.py)
         systems = {n: make_hybrid_system(n, profile, settings["host_pool_pages"], out, fc_keys,

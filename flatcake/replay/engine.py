@@ -135,6 +135,11 @@ class ModelProfile:
             return sum(p.page_bytes for p in self.pools if not p.trailing)
         return self.bytes_per_token * self.page_size
 
+    @property
+    def trailing_bytes(self) -> int:
+        """Bytes of the trailing_pages pools' windows stored per request (hybrid; 0 for dense)."""
+        return sum(p.page_bytes * p.window_pages for p in self.pools if p.trailing)
+
     def scaled(self, n: int) -> "ModelProfile":
         """The same model with ``page_bytes`` divided by ``n`` (``--scale N``): the head
         dimension (MHA) or latent dimension (MLA) of the KV divided by ``n``; layers, page

@@ -141,11 +141,13 @@ class HybridPools:
     """The host pools of one system running a hybrid profile.
 
     ``anchor`` is SGLang's ``LogicalHostPool`` (``pages × page_size`` token slots, no bytes);
-    ``pools[name]`` SGLang's ``DeepSeekV4PagedHostPool`` for each spec, ``pages`` host pages of
-    ``page_size`` slots, in ``layout``, unpinned on the CPU. Every pool has the anchor's page
-    count, so one anchor page number addresses the same page in every pool (SGLang's
-    KV-derived pools use the anchor's indices; the replay gives the trailing pool pages from
-    the same free list).
+    ``pools[name]`` SGLang's ``DeepSeekV4PagedHostPool`` for each spec, pages of ``page_size``
+    slots, in ``layout``, unpinned on the CPU. Each ``all_pages`` pool has the anchor's
+    ``pages``, so an anchor page number addresses the same page in each (SGLang's KV-derived
+    pools use the anchor's indices); the ``trailing_pages`` pools have their own, smaller host
+    space, as SGLang's SWA host pool (``swa_num_host_pages``): :attr:`trailing_host_pages` =
+    2 × the largest window, one free list for all of them (a 6.4 MB DeepSeek-V4 SWA page would
+    otherwise cost 3.3 GB of host memory for 512 pages).
 
     Args:
         specs: the profile's pools.
@@ -163,12 +165,14 @@ class HybridPools:
         self.specs = tuple(specs)
         self.anchor = LogicalHostPool(pages * page_size, page_size, layout=layout)
         self.pools = {}
+        self.trailing_host_pages = 2 * max((s.window_pages for s in self.specs if s.trailing), default=0)
         for s in self.specs:
             # the host pool reads only the device buffers' count (its layers) and, for a GPU
             # copy kernel, their shapes: one 1-row CPU buffer per layer stands in
             dev = [torch.empty(1, s.item_bytes, dtype=torch.uint8) for _ in range(s.layers)]
             self.pools[s.name] = DeepSeekV4PagedHostPool(
-                s.name, dev, item_bytes=s.item_bytes, num_host_pages=pages, slot_page_size=page_size,
+                s.name, dev, item_bytes=s.item_bytes, num_host_pages=self.trailing_host_pages if s.trailing else pages,
+                slot_page_size=page_size,
                 layout=layout, device="cpu", pin_memory=False)
 
     @property

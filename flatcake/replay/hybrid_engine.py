@@ -76,6 +76,8 @@ class HybridEngine:
         self.derived = hybrid.derived if hybrid is not None else ()
         self.trailing = hybrid.trailing if hybrid is not None else ()
         self.content = {s.name: PoolContent(hybrid.pools[s.name], s.name) for s in hybrid.specs} if hybrid else {}
+        # the trailing pools' own host pages (one free list: they all have the same page count)
+        self.tpages = HostPages(hybrid.pools[self.trailing[0].name]) if self.trailing else None
 
     def run(self, keys: Sequence[str], prompt_tokens: int) -> HybridOutcome:
         """Serve one request whose prompt has page keys ``keys`` and ``prompt_tokens`` tokens."""
@@ -161,13 +163,13 @@ class HybridEngine:
             specs = [s for s in self.trailing if s.window_pages == w]
             tkeys = rest[max(0, loaded - w):loaded]
             covered = loaded - len(tkeys)
-            host = self.pages.alloc(len(tkeys))
+            host = self.tpages.alloc(len(tkeys))
             try:
                 runs = self.system.pools_call(specs, tkeys, host, prefix + rest[:covered], write=False)
                 out.read_s += self.system.last_call_s
                 self._verify(specs, tkeys, host, runs, out)
             finally:
-                self.pages.free(host)
+                self.tpages.free(host)
             ok = ok and all(runs[s.name] == len(tkeys) for s in specs)
             nbytes += sum(runs[s.name] * s.page_bytes for s in specs)
         return ok, nbytes
@@ -209,13 +211,13 @@ class HybridEngine:
         for w in sorted({s.window_pages for s in self.trailing}):
             specs = [s for s in self.trailing if s.window_pages == w]
             tkeys = computed[-w:]
-            host = self.pages.alloc(len(tkeys))
+            host = self.tpages.alloc(len(tkeys))
             try:
                 self._fill(specs, tkeys, host)
                 runs = self.system.pools_call(specs, tkeys, host, keys[: len(keys) - len(tkeys)], write=True)
                 out.write_s += self.system.last_call_s
             finally:
-                self.pages.free(host)
+                self.tpages.free(host)
             for s in specs:
                 out.pool_written_pages[s.name] += runs[s.name]
 

@@ -87,6 +87,8 @@ def test_pool_contents_differ_per_pool_and_a_flipped_byte_fails(tmp_path):
     pools = HybridPools(hybrid_profile().pools, 4, PAGE, "page_first")
     c4, idx = (PoolContent(pools.pools[n], n) for n in ("deepseek_v4_c4", "deepseek_v4_c4_indexer"))
     assert (c4.page_bytes, idx.page_bytes) == (192, 80)
+    assert pools.pools["deepseek_v4_c4"].num_host_pages == 4 and pools.pools["swa"].num_host_pages == 2  # 2 x window
+    assert type(pools.anchor).__name__ == "LogicalHostPool" and pools.anchor.kv_buffer is None
     c4.fill(PAGE, "k")
     idx.fill(PAGE, "k")
     assert c4.verify(PAGE, "k") and idx.verify(PAGE, "k") and not c4.verify(PAGE, "other")
@@ -185,3 +187,12 @@ def test_model_flag_replaces_the_configs_model(tmp_path, mooncake_path):
     s = json.loads((out / "summary.json").read_text())
     assert s["model"]["name"] == "tiny/dsv4" and s["config"]["model"] == {"profile": str(prof.resolve())}
     assert s["systems"]["file"]["hit_tokens"]["ssd"] == 48 * PAGE and s["systems"]["file"]["verify_failures"] == 0
+
+
+def test_disk_budget_counts_every_pool_and_each_requests_trailing_window(tmp_path, mooncake_path, monkeypatch):
+    import flatcake.replay.cli as cli
+
+    seen = []
+    monkeypatch.setattr(cli, "check_disk_budget", lambda names, nbytes, *a, **k: seen.append(nbytes) or {})
+    _run(tmp_path, mooncake_path, ["file"])
+    assert seen == [40 * (192 + 80) + 5 * 400]  # 40 unique pages of both all_pages pools + 5 SWA windows
