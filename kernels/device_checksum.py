@@ -201,7 +201,8 @@ def triton_available(device: torch.device) -> bool:
     return device.type == "cuda" or os.environ.get("TRITON_INTERPRET", "") == "1"
 
 
-def fcds_triton(buf: torch.Tensor, starts: torch.Tensor, chunk_bytes: int, block: int = 1024) -> torch.Tensor:
+def fcds_triton(buf: torch.Tensor, starts: torch.Tensor, chunk_bytes: int, block: int = 1024,
+                word_aligned: Optional[bool] = None) -> torch.Tensor:
     """Device checksums with the Triton kernel: one program per chunk.
 
     Args:
@@ -209,6 +210,8 @@ def fcds_triton(buf: torch.Tensor, starts: torch.Tensor, chunk_bytes: int, block
         starts: int64 ``[m]`` byte offsets on ``buf``'s device.
         chunk_bytes: bytes per chunk (> 0).
         block: words per step of a program (power of two).
+        word_aligned: whether every start is a multiple of 4 (known to the caller from its host
+            copy of the offsets; ``None`` checks ``starts``, a device-to-host sync on CUDA).
 
     Returns:
         int64 ``[m]`` on ``buf``'s device (the uint64 checksums' bits).
@@ -225,8 +228,9 @@ def fcds_triton(buf: torch.Tensor, starts: torch.Tensor, chunk_bytes: int, block
     W = n_words(chunk_bytes)
     blk = min(block, triton.next_power_of_2(W))
     st = starts.to(torch.int64)
-    words = chunk_bytes % 4 == 0 and buf.numel() % 4 == 0 and buf.storage_offset() % 4 == 0 \
-        and bool((st % 4 == 0).all())
+    if word_aligned is None:
+        word_aligned = bool((st % 4 == 0).all())
+    words = chunk_bytes % 4 == 0 and buf.numel() % 4 == 0 and buf.storage_offset() % 4 == 0 and word_aligned
     if words:
         _fcds_kernel[(m,)](buf.view(torch.int32), st // 4, out, W, chunk_bytes, BLOCK=blk, WORDS=True)
     else:
@@ -234,13 +238,15 @@ def fcds_triton(buf: torch.Tensor, starts: torch.Tensor, chunk_bytes: int, block
     return out
 
 
-def fcds_at(buf: torch.Tensor, starts: torch.Tensor, chunk_bytes: int, impl: Optional[str] = None) -> torch.Tensor:
+def fcds_at(buf: torch.Tensor, starts: torch.Tensor, chunk_bytes: int, impl: Optional[str] = None,
+            word_aligned: Optional[bool] = None) -> torch.Tensor:
     """Device checksums of the chunks at ``starts`` of ``buf``, on ``buf``'s device: ``impl``
     ``"triton"`` / ``"torch"``, or ``None`` for Triton where it can run, else torch. Returns int64
-    ``[m]`` (uint64 bits). Raises RuntimeError for ``"triton"`` where it cannot run."""
+    ``[m]`` (uint64 bits); ``word_aligned`` as in :func:`fcds_triton`. Raises RuntimeError for
+    ``"triton"`` where it cannot run."""
     use = impl or ("triton" if triton_available(buf.device) else "torch")
     if use == "triton":
-        return fcds_triton(buf, starts, chunk_bytes)
+        return fcds_triton(buf, starts, chunk_bytes, word_aligned=word_aligned)
     return fcds_torch(buf, starts, chunk_bytes)
 
 

@@ -35,13 +35,14 @@ GB = 1e9
 def count_d2h():
     """Count bytes of device-to-host tensor copies made through Python while inside (a dict
     ``{"bytes", "calls"}``); the patched methods are restored on exit."""
-    box = {"bytes": 0, "calls": 0}
+    box = {"bytes": 0, "calls": 0, "largest": 0}
     T = torch.Tensor
     orig = {n: getattr(T, n) for n in ("cpu", "to", "copy_", "tolist", "item")}
 
     def note(n):
         box["bytes"] += int(n)
         box["calls"] += 1
+        box["largest"] = max(box["largest"], int(n))
 
     def cpu(self, *a, **k):
         if self.is_cuda:
@@ -134,7 +135,7 @@ def device_verify_check(device: str, workdir: str, dry: bool, *, device_kv, writ
                 res[f"{key}_gb_per_s"] = total / dt / GB
                 res[f"{key}_failed"] = sum(len(r.failed_tags) for r in reps)
                 if verify:
-                    res["d2h_bytes"], res["d2h_calls"] = box["bytes"], box["calls"]
+                    res["d2h_bytes"], res["d2h_calls"], res["d2h_largest"] = box["bytes"], box["calls"], box["largest"]
                     res["engine_mask_bytes"] = eng.device_verify.d2h_bytes
                     res["bytes_equal"] = bytes_equal(calls, lay, path, device)
                     bad = calls[0]  # one wrong expected device checksum: exactly that chunk fails
@@ -150,7 +151,8 @@ def device_verify_check(device: str, workdir: str, dry: bool, *, device_kv, writ
         os.unlink(path)
     res["device_check_ran"] = res["engine_mask_bytes"] == chunks and \
         res["wrong_sum_failed_tags"] == res["wrong_sum_expected_tags"]
-    res["no_staging_d2h"] = res["d2h_bytes"] <= chunks
+    # the masks (one byte per chunk) and nothing of a chunk's size: no staging bytes came back
+    res["no_staging_d2h"] = res["d2h_bytes"] <= chunks and res["d2h_largest"] < cb
     res["ok"] = bool(res["device_check_ran"] and res["no_staging_d2h"] and res["bytes_equal"]
                      and res["verify_failed"] == 0 and out["kernel_equals_host"])
     out.update(res)

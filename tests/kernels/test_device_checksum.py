@@ -126,3 +126,17 @@ def test_old_format_chunks_verify_with_xxh3_through_the_device_verify_function()
     b0 = np.arange(n, dtype=np.int64) * cb
     ok = verify_chunks_device(buf, b0, np.arange(n), batch, cb, ErrorLog(logging.getLogger("t")), "torch")
     assert ok.tolist() == [True, True, False, True]
+
+
+def test_gpu_check_d2h_counter_counts_nothing_on_cpu_and_restores_torch():
+    """The GPU check's copy counter (scripts/gpu_check_verify.py) patches Tensor methods only
+    inside its block and counts device-to-host copies only (CPU tensors: none)."""
+    sys.path.insert(0, str(HERE.parents[1] / "scripts"))
+    from gpu_check_verify import count_d2h
+
+    before = torch.Tensor.cpu
+    t = torch.arange(10)
+    with count_d2h() as box:
+        assert torch.Tensor.cpu is not before
+        assert t.cpu().tolist() == list(range(10)) and t.to("cpu").sum().item() == 45
+    assert torch.Tensor.cpu is before and box == {"bytes": 0, "calls": 0, "largest": 0}
