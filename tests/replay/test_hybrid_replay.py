@@ -196,3 +196,66 @@ def test_disk_budget_counts_every_pool_and_each_requests_trailing_window(tmp_pat
     monkeypatch.setattr(cli, "check_disk_budget", lambda names, nbytes, *a, **k: seen.append(nbytes) or {})
     _run(tmp_path, mooncake_path, ["file"])
     assert seen == [40 * (192 + 80) + 5 * 400]  # 40 unique pages of both all_pages pools + 5 SWA windows
+
+
+def test_pages_sglangs_controller_backs_up_are_restored_by_the_replay(tmp_path):
+    """SGLang 0.5.23's own HybridCacheController code (built with __new__, as
+    tests/adapter/test_v2_controller.py) backs up one request through the replay's FlatCake v2
+    system; the replay's HybridEngine then restores every page of every pool bit-exact: the
+    replay's v2 calls and SGLang's agree on keys, transfers and hit policies."""
+    import contextlib
+    import queue
+    from types import SimpleNamespace
+
+    from flatcake.replay.engine import EngineConfig
+    from flatcake.replay.hybrid_engine import HybridEngine
+    from flatcake.replay.hybrid_systems import make_hybrid_system
+    from flatcake.replay.sglang_cpu import ensure_importable
+
+    ensure_importable()
+    try:
+        from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
+        from sglang.srt.mem_cache.hybrid_cache import hybrid_cache_controller as m
+        from sglang.srt.mem_cache.utils import get_storage_hash_str
+    except Exception as e:  # noqa: BLE001
+        pytest.skip(f"SGLang's cache controller does not import here ({type(e).__name__}: {e})")
+
+    class Group:
+        def __init__(self, pools):
+            self.entry_map = {PoolName(n): SimpleNamespace(host_pool=p) for n, p in pools.items()}
+
+        @contextlib.contextmanager
+        def layout_lease(self):
+            yield
+
+    prof = hybrid_profile()
+    sysm = make_hybrid_system("flatcake", prof, 256, tmp_path, FC_OVERRIDES)
+    hp = sysm.hybrid
+    cc = m.HybridCacheController.__new__(m.HybridCacheController)
+    cc.storage_backend, cc.storage_backend_type = sysm.backend, "dynamic"
+    cc.page_size, cc.storage_host_pool = PAGE, hp.anchor
+    cc.mem_pool_host = Group(hp.pools)
+    cc.page_get_func, cc.page_set_func = cc._page_get_zero_copy, cc._page_set_zero_copy
+    cc.storage_config = sysm.backend.storage_config
+    cc.prefetch_sync_queue, cc.prefetch_hits_sync_groups = queue.Queue(), []
+
+    n = 5
+    tokens = list(range(1000, 1000 + n * PAGE))
+    keys = get_storage_hash_str(tokens, None, page_size=PAGE)
+    eng = HybridEngine(sysm, prof, EngineConfig(hbm_pages=0, host_pool_pages=256, prefetch_threshold_tokens=0))
+    kv_slots = torch.arange(n * PAGE, dtype=torch.int64)
+    for s in hp.derived:
+        for i, k in enumerate(keys):
+            eng.content[s.name].fill(i * PAGE, k)
+    eng.content["swa"].fill(0, keys[-1])  # the SWA window: the last page, at SWA host page 0
+    op = m.StorageOperation(kv_slots, tokens, hash_value=list(keys), prefix_keys=[], pool_transfers=[
+        PoolTransfer(name=PoolName.SWA, host_indices=torch.arange(PAGE, dtype=torch.int64), keys=keys[-1:],
+                     hit_policy=PoolHitPolicy.TRAILING_PAGES),
+        *[PoolTransfer(name=PoolName(s.name), indices_from_pool=PoolName.KV) for s in hp.derived]])
+    cc._page_backup_with_stable_layout(op)
+    assert op.completed_tokens == n * PAGE
+
+    o = eng.run(keys, n * PAGE)
+    assert (o.l3_query_pages, o.dram_pages + o.ssd_pages, o.computed_pages, o.trailing_misses) == (n, n, 0, 0)
+    assert o.pool_pages == {"deepseek_v4_c4": n, "deepseek_v4_c4_indexer": n, "swa": 1} and o.verify_failures == 0
+    sysm.close()
