@@ -146,6 +146,10 @@ class RestoreEngine:
             lands (POSIX engine + torch scatter), not after the whole batch.
         device_verify: :class:`DeviceVerifyCounter` of the bytes HBM-staging verification copied
             to the host (:func:`~flatcake.cio.batch.verify_chunks_device`).
+        verify_in_place: verify chunks with the device checksum where they landed
+            (:func:`~flatcake.cio.batch.verify_chunks_device`), not xxh3 on a host view: True on
+            CUDA staging. Tests turn it on for host staging, with ``worker_scatter`` off, to run
+            the GPU's verify step through a real restore on CPU.
 
     Raises:
         EngineUnavailableError: ``cfg.engine='kvikio'`` but kvikio cannot move bytes here, or a
@@ -207,6 +211,7 @@ class RestoreEngine:
         self._closed = False
         self._close_lock = threading.Lock()
         self.device_verify = DeviceVerifyCounter()
+        self.verify_in_place = self.device.type == "cuda"
         log.info(
             "FC-CIO: engine=%s (%s), direct_io=%s, io_workers=%d, staging %d windows x 2 x %d bytes on %s, "
             "scatter=%s, gap_bytes=%d, max_io_bytes=%d",
@@ -437,7 +442,7 @@ class RestoreEngine:
         if not scatter:  # reads-only mode: the bytes stay in staging
             return
         if self.cfg.verify_checksums and b0.shape[0] and ch.has_checksum[idx].any():
-            if buf.array is not None:
+            if not self.verify_in_place:
                 ok = self._verify(buf.array, b0, idx, ch)
             else:  # HBM staging: checked in place, only the mask comes back (record v2: xxh3 on a copy)
                 ok = verify_chunks_device(buf.tensor, b0, idx, ch, self.chunk_bytes, self.errors,
