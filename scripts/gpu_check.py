@@ -54,7 +54,7 @@ from flatcake.config import CioConfig  # noqa: E402
 from flatcake.kernels.scatter import scatter_chunks  # noqa: E402
 from flatcake.layout import KvPageLayout  # noqa: E402
 from flatcake.media.directio import drop_page_cache  # noqa: E402
-from gpu_check_verify import device_verify_check  # noqa: E402
+from gpu_check_verify import device_verify_check, markdown_row  # noqa: E402
 
 GB = 1e9
 
@@ -391,6 +391,7 @@ def markdown(res: dict) -> str:
     k = res["kernel"]
     lines.append(f"| scatter throughput ({k['bytes_per_call'] / 2**20:.0f} MiB/call) | triton {k['triton_gb_per_s']:.1f} GB/s, "
                  f"torch {k['torch_gb_per_s']:.1f} GB/s, index_copy_ {k['index_copy__gb_per_s']:.1f} GB/s |")
+    lines.append(markdown_row(res["device_verify"]))
     if res["mode"] == "dry-run":
         lines += ["", "Dry run: no GPU; tiny shapes, Triton interpreter, POSIX engine on host memory. "
                   "Timings are not meaningful."]
@@ -425,8 +426,11 @@ def main(argv=None) -> int:
     print("restore:", json.dumps(res["restore"]), "\noverlap:", json.dumps(res["overlap"]), flush=True)
     res["kernel"] = kernel_throughput(device, dry)
     print("kernel:", json.dumps(res["kernel"]), flush=True)
-    res["device_verify"] = device_verify_check(device, work, dry, device_kv=device_kv, write_random=write_random,
-                                               rounds=_rounds, bytes_equal=_bytes_equal)
+    try:  # a failure here still leaves the other sections' report
+        res["device_verify"] = device_verify_check(device, work, dry, device_kv=device_kv, write_random=write_random,
+                                                   rounds=_rounds, bytes_equal=_bytes_equal)
+    except Exception as e:  # noqa: BLE001
+        res["device_verify"] = {"error": repr(e)[:500], "ok": False}
     print("device verify:", json.dumps(res["device_verify"]), flush=True)
     res["runtime_s"] = time.perf_counter() - t0
     (out_dir / "gpu_results.json").write_text(json.dumps(res, indent=2))
@@ -437,6 +441,9 @@ def main(argv=None) -> int:
         os.rmdir(work)
     except OSError:
         pass
+    if res["device_verify"].get("ok") is False:
+        print("device verify FAILED:", json.dumps(res["device_verify"]), file=sys.stderr)
+        return 1
     return 0
 
 

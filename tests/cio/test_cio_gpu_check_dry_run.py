@@ -36,3 +36,4 @@ def test_gpu_check_dry_run_writes_a_complete_report(tmp_path):
     assert dv["kernel_equals_host"] is True and dv["skipped"].startswith("no GPU")
     md = (tmp_path / "gpu_results.md").read_text()
     assert "| scatter bit-exact (8 layouts) | all equal |" in md
+    assert "| device verify in HBM | skipped (no GPU" in md
