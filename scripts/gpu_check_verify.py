@@ -6,8 +6,8 @@ v3 carries them) is restored into device paged KV through the HBM window with
 (``Tensor.cpu/.to/.copy_/.tolist/.item``) is counted. Asserts (a) the device check ran (the
 engine's mask bytes equal the chunks verified, and a round with one wrong expected device
 checksum comes back with exactly that chunk failed), (b) nothing but the masks came back to the
-host (no D2H copy as large as a chunk; D2H bytes <= one byte per chunk + 64 B per restore call), (c) the restore is bit-exact; prints restore time with
-and without verification. Without a GPU it checks the kernel (Triton interpreter) against the
+host (no D2H copy as large as a chunk; D2H bytes <= one byte per chunk + 64 B per restore
+call), (c) the restore is bit-exact; prints restore time with and without verification. Without a GPU it checks the kernel (Triton interpreter) against the
 host C loop on a few chunks and skips the restore with the reason.
 """
 
