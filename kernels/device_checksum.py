@@ -170,7 +170,9 @@ def _torch_words(buf: torch.Tensor, starts: torch.Tensor, chunk_bytes: int) -> t
 
 
 def fcds_torch(buf: torch.Tensor, starts: torch.Tensor, chunk_bytes: int) -> torch.Tensor:
-    """Device checksums with torch ops (int64 with 32-bit masks; any device; the reference).
+    """Device checksums with torch ops (int64 with 32-bit masks; any device; the reference and
+    the fallback where Triton is missing — groups of chunks of ~4 MiB, so its int64
+    temporaries stay bounded).
 
     Args:
         buf: uint8 ``[nbytes]`` tensor (e.g. a staging buffer).
@@ -180,17 +182,23 @@ def fcds_torch(buf: torch.Tensor, starts: torch.Tensor, chunk_bytes: int) -> tor
     Returns:
         int64 ``[m]`` on ``buf``'s device: the uint64 checksums' bits.
     """
-    if starts.numel() == 0:
+    m = starts.numel()
+    if m == 0:
         return torch.empty(0, dtype=torch.int64, device=buf.device)
-    w = _torch_words(buf, starts.to(torch.int64), chunk_bytes)
-    i = torch.arange(w.shape[1], device=buf.device, dtype=torch.int64)
-    a = ((w * (2 * i + 1)) & _M32).sum(dim=1) & _M32
-    x = w ^ ((i * K_POS) & _M32)
-    x = (x * K_M1) & _M32
-    x = x ^ (x >> 15)
-    x = (x * K_M2) & _M32
-    b = x.sum(dim=1) & _M32
-    return (b << 32) | a
+    st = starts.to(torch.int64)
+    group = max(1, (4 << 20) // max(1, chunk_bytes))  # bounds the int64 temporaries (~32x the bytes)
+    i = torch.arange(n_words(chunk_bytes), device=buf.device, dtype=torch.int64)
+    out = []
+    for g0 in range(0, m, group):
+        w = _torch_words(buf, st[g0: g0 + group], chunk_bytes)
+        a = ((w * (2 * i + 1)) & _M32).sum(dim=1) & _M32
+        x = w ^ ((i * K_POS) & _M32)
+        x = (x * K_M1) & _M32
+        x = x ^ (x >> 15)
+        x = (x * K_M2) & _M32
+        b = x.sum(dim=1) & _M32
+        out.append((b << 32) | a)
+    return out[0] if len(out) == 1 else torch.cat(out)
 
 
 def triton_available(device: torch.device) -> bool:

@@ -167,8 +167,9 @@ def verify_chunks_device(buf, b0: np.ndarray, idx: np.ndarray, chunks: ChunkBatc
     (:func:`flatcake.kernels.device_checksum.fcds_at`: Triton on CUDA, or on CPU under
     ``TRITON_INTERPRET=1``; else the bit-identical torch version) on ``buf``'s device, compared
     there; only the bool mask (one byte per chunk) comes back. Chunks with only an xxh3-64 (a
-    record v2 round from an older pool) are copied to the host, those chunks only, and checked
-    with xxh3 as :func:`verify_chunks` does — never served unverified.
+    record v2 round from an older pool) are copied to the host and checked
+    with xxh3 as :func:`verify_chunks` does (one device-to-host copy of the buffer span that
+    holds them) — never served unverified.
 
     Args:
         buf: uint8 ``[nbytes]`` staging tensor (CUDA or CPU).
@@ -202,12 +203,11 @@ def verify_chunks_device(buf, b0: np.ndarray, idx: np.ndarray, chunks: ChunkBatc
         ok[sel] = good
     if old.any():
         sel = np.flatnonzero(old)
-        rows = torch.from_numpy(np.ascontiguousarray(b0[sel])).to(buf.device)[:, None] + \
-            torch.arange(chunk_bytes, device=buf.device)[None, :]
-        host = buf[rows].reshape(-1).cpu().numpy()  # only the chunks of record-v2 rounds
+        lo, hi = int(b0[sel].min()), int(b0[sel].max()) + chunk_bytes
+        host = buf[lo:hi].cpu().numpy()  # one copy of the span holding the record-v2 chunks
         if counter is not None and on_gpu:
             counter.d2h_bytes += int(host.nbytes)
-        got = checksums_at(host, np.arange(sel.shape[0], dtype=np.int64) * chunk_bytes, chunk_bytes)
+        got = checksums_at(host, b0[sel] - lo, chunk_bytes)
         ok[sel] = got == chunks.checksum[idx[sel]]
     for i in idx[~ok].tolist():
         errors.report("verify", "checksum", f"chunk tag {int(chunks.tag[i])} (file "

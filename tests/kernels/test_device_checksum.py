@@ -140,3 +140,12 @@ def test_gpu_check_d2h_counter_counts_nothing_on_cpu_and_restores_torch():
         assert torch.Tensor.cpu is not before
         assert t.cpu().tolist() == list(range(10)) and t.to("cpu").sum().item() == 45
     assert torch.Tensor.cpu is before and box == {"bytes": 0, "calls": 0, "largest": 0}
+
+
+def test_torch_reference_in_groups_equals_numpy_across_group_boundaries():
+    """fcds_torch works in groups of ~4 MiB of chunks: 2,100 chunks of 4,100 B span three."""
+    cb, m = 4100, 2100
+    host = np.random.default_rng(9).integers(0, 256, m * cb, dtype=np.uint8)
+    st = np.arange(m, dtype=np.int64) * cb
+    got = dc.fcds_torch(torch.from_numpy(host), torch.from_numpy(st), cb).numpy()
+    assert got.shape == (m,) and (got == dc.fcds_numpy(host, st, cb).view(np.int64)).all()
