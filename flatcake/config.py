@@ -192,8 +192,8 @@ class SsdConfig(_WatermarkSection):
     pool_id: Optional[str] = Field(
         None, description="fixed pool name of this server (letters, digits, '.', '_', '-'); None = a free slot")
     write_backlog_bytes: int = Field(
-        0, ge=0, description="bytes of SSD rounds the write queue may hold while restores read (Tutti: reads "
-                             "first, writes in the gaps); 0 = no queue, rounds written synchronously by the put")
+        1 << 30, ge=0, description="bytes of SSD rounds the write queue may hold while restores read (Tutti: reads "
+                                   "first, writes in the gaps); 0 = no queue, rounds written synchronously by the put")
     write_backlog_wait_s: float = Field(
         5.0, ge=0, description="seconds a put of a non-one-shot round waits for room in a full write backlog "
                                "(DRAM full too) before it fails")

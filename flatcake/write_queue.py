@@ -150,7 +150,8 @@ class WriteQueue:
 
     # ================================================================ reads
     def reads_begin(self) -> None:
-        """A restore read starts (or waits for a staging window): hold writes not yet issued."""
+        """A restore read starts (or waits for a staging window, or is queued in the FC-MAS SSD
+        lane: :meth:`~flatcake.store.PageStore.reads_pending`): hold writes not yet issued."""
         with self._cond:
             self._readers += 1
 
@@ -172,7 +173,7 @@ class WriteQueue:
 
     @property
     def reads_in_flight(self) -> int:
-        """Restore reads in flight now."""
+        """Restore reads in flight or queued (pending) now."""
         return self._readers
 
     # ================================================================ lookups (lock-free)

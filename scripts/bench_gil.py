@@ -118,6 +118,7 @@ class GilBench:
     def put(self, be, keys) -> None:
         for a, b, idx in self._calls():
             assert all(be.batch_set_v1(keys[a:b], idx)), f"flatcake put failed at page {a}"
+        assert be.store.flush_writes(600), "flatcake write queue did not drain"  # on disk (write queue)
 
     def restore(self) -> float:
         """Drop the page cache, restore the session; returns the restore's wall seconds."""

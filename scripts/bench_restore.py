@@ -121,6 +121,7 @@ class Bench:
             b = min(self.pages, a + STORAGE_BATCH_PAGES)
             ok = be.batch_set_v1(self.keys[a:b], self.indices(a, b))
             assert all(ok), f"flatcake batch_set_v1 failed at page {a}"
+        assert be.store.flush_writes(600), "flatcake write queue did not drain"  # restores read from SSD
         st = be.flatcake_stats()
         assert st["pages_written_ssd"] == self.pages, f"only {st['pages_written_ssd']} pages placed on SSD"
 

@@ -97,6 +97,7 @@ class WriteBench:
             for a in range(0, self.pages, STORAGE_BATCH_PAGES):
                 b = min(self.pages, a + STORAGE_BATCH_PAGES)
                 assert all(be.batch_set_v1(keys[a:b], self.indices(a, b))), f"flatcake put failed at page {a}"
+            assert be.store.flush_writes(600), "flatcake write queue did not drain"  # timed until on disk
 
         try:
             out = self._timed(run)

@@ -18,7 +18,8 @@ import pytest
 from flatcake_testkit import make_store, page_matches
 
 HERE = Path(__file__).resolve().parent
-CFG = {"ssd.file_bytes": 1 << 20, "ssd.max_files": 64}  # room for every round: no reclaim in these runs
+CFG = {"ssd.file_bytes": 1 << 20, "ssd.max_files": 64,  # room for every round: no reclaim in these runs
+       "ssd.write_backlog_bytes": 0}  # synchronous writes: the kills land inside the put's own round write
 
 CHILD = textwrap.dedent("""
     import os, signal, sys

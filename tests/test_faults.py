@@ -10,9 +10,18 @@ import time
 
 import pytest
 import torch
-from flatcake_testkit import make_store, page_matches, put_pages, two_requests_share
+import flatcake_testkit as testkit
+from flatcake_testkit import page_matches, put_pages, two_requests_share
 
 from flatcake.gva.address import OFFSET_MASK
+
+
+def make_store(ssd_dir, **kw):
+    """``testkit.make_store`` with synchronous SSD writes (``ssd.write_backlog_bytes: 0``): these tests
+    are about the synchronous write contract (a put's True means on disk and journaled; a write
+    fault fails the put)."""
+    return testkit.make_store(ssd_dir, **{"ssd.write_backlog_bytes": 0, **kw})
+
 
 DRAM = {"dram.capacity_bytes": 64 * 1536}  # 64 page slots of the test geometry
 

@@ -3,10 +3,19 @@ its pages are misses, never the bytes of whoever is written there next (file gen
 
 import os
 
-from flatcake_testkit import make_store, page_matches, put_pages
+import flatcake_testkit as testkit
+from flatcake_testkit import page_matches, put_pages
 
 from flatcake.gva.address import OFFSET_MASK
 from flatcake.media.errors import StaleGeneration
+
+
+def make_store(ssd_dir, **kw):
+    """``testkit.make_store`` with synchronous SSD writes (``ssd.write_backlog_bytes: 0``): these tests
+    are about the synchronous write contract (a put's True means on disk and journaled; a write
+    fault fails the put)."""
+    return testkit.make_store(ssd_dir, **{"ssd.write_backlog_bytes": 0, **kw})
+
 
 CFG = {"cio.verify_checksums": False, "ssd.max_files": 1, "ssd.file_bytes": 1 << 20}  # no checksum to save us
 

@@ -8,11 +8,19 @@ import os
 import threading
 
 import pytest
-from flatcake_testkit import make_store, page_matches, put_pages
+import flatcake_testkit as testkit
+from flatcake_testkit import page_matches, put_pages
 
 from flatcake.gva import journal as jmod
 from flatcake.gva.address import MEDIUM_SSD
 from flatcake.media import pool_faults
+
+
+def make_store(ssd_dir, **kw):
+    """``testkit.make_store`` with synchronous SSD writes (``ssd.write_backlog_bytes: 0``): these tests
+    are about the synchronous write contract (a put's True means on disk and journaled; a write
+    fault fails the put)."""
+    return testkit.make_store(ssd_dir, **{"ssd.write_backlog_bytes": 0, **kw})
 
 
 def served(store, pool, lay, keys, first_page=40) -> list[bool]:

@@ -19,6 +19,7 @@ def test_ssd_pages_are_restored_bit_exact_into_other_slots(ssd_dir):
     store, pool, lay = make_store(ssd_dir, layout="page_first_direct")
     keys = [f"s{i}" for i in range(5)]
     assert put_pages(store, pool, lay, keys, range(5)) == [True] * 5
+    assert store.flush_writes(30)  # on SSD: the write queue drained
     entries = pinned(store, keys)
     try:
         assert store.reader.read(keys, entries, lay, [20, 21, 22, 23, 24]) == 5
@@ -35,6 +36,7 @@ def test_the_chunk_batch_is_layer_major_with_each_pages_checksums(ssd_dir):
     store, pool, lay = make_store(ssd_dir)
     keys = ["c0", "c1"]
     put_pages(store, pool, lay, keys, [0, 1])
+    assert store.flush_writes(30)  # on SSD: the write queue drained
     entries = pinned(store, keys)
     b = store.reader.chunk_batch(entries, [0, 1], [7, 9])
     store.scopes.unpin(entries)
@@ -53,6 +55,7 @@ def test_dram_and_ssd_pages_in_one_call_each_come_from_their_medium(ssd_dir):
     two_requests_share(store.leading_run, shared)
     put_pages(store, pool, lay, shared, [0, 1])
     put_pages(store, pool, lay, ["s2", "s3"], [2, 3], prefix=None)
+    assert store.flush_writes(30)  # on SSD: the write queue drained
     assert [store.medium_of(k) for k in ("d0", "s2")] == ["dram", "ssd"]
     keys = ["s2", "d0", "s3", "d1"]
     entries = pinned(store, keys)
@@ -70,6 +73,7 @@ def test_a_corrupted_chunk_stops_the_read_there_and_later_pages_are_not_delivere
     store, pool, lay = make_store(ssd_dir, **{"dram.capacity_bytes": 1 << 20})
     keys = ["k0", "k1", "k2"]
     put_pages(store, pool, lay, keys, [0, 1, 2])
+    assert store.flush_writes(30)  # on SSD: the write queue drained
     e1 = store.index.get("k1")
     path = store.ssd.path_of((e1.gva & OFFSET_MASK) // store.ssd.file_bytes)
     with open(path, "r+b") as f:  # flip one byte of page k1, layer 2
@@ -92,6 +96,7 @@ def test_a_corrupted_chunk_stops_the_read_there_and_later_pages_are_not_delivere
 def test_round_header_offsets_line_up_with_entries(ssd_dir):
     store, pool, lay = make_store(ssd_dir)
     put_pages(store, pool, lay, ["h0", "h1"], [0, 1])
+    assert store.flush_writes(30)  # on SSD: the write queue drained
     e = store.index.get("h0")
     scope = e.scope
     first_round = scope.extents[0].offset + fmt.BLOCK

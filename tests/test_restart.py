@@ -4,11 +4,19 @@ wrote before serves every committed SSD page again, bit for bit, and nothing els
 import os
 
 import pytest
-from flatcake_testkit import make_store, page_matches, put_pages, two_requests_share
+import flatcake_testkit as testkit
+from flatcake_testkit import page_matches, put_pages, two_requests_share
 
 from flatcake.gva import journal as jmod
 from flatcake.gva.address import OFFSET_MASK
 from flatcake.media import extent as fmt
+
+
+def make_store(ssd_dir, **kw):
+    """``testkit.make_store`` with synchronous SSD writes (``ssd.write_backlog_bytes: 0``): these tests
+    check what a put leaves on disk and in the journal when it returns (warm restart, torn rounds,
+    journal size)."""
+    return testkit.make_store(ssd_dir, **{"ssd.write_backlog_bytes": 0, **kw})
 
 
 def sessions(n_sessions, pages):

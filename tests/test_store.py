@@ -21,6 +21,7 @@ def test_put_get_round_trip_and_page_info(ssd_dir):
     store, pool, lay = make_store(ssd_dir)
     keys = ["p0", "p1", "p2"]
     assert put_pages(store, pool, lay, keys, range(3)) == [True] * 3
+    assert store.flush_writes(30)  # on SSD: the write queue drained
     assert store.leading_run(keys + ["absent"]) == 3
     assert store.get(keys + ["absent"], lay, [10, 11, 12, 13]) == [True, True, True, False]
     assert all(page_matches(pool, (10 + i) * pool.page_size, k) for i, k in enumerate(keys))
@@ -40,6 +41,7 @@ def test_medium_summary_counts_pages_and_ssd_bytes_for_the_fc_mas_lanes(ssd_dir)
     two_requests_share(store.leading_run, ["sys0", "sys1"])  # a shared prompt: DRAM
     put_pages(store, pool, lay, ["sys0", "sys1"], [0, 1])
     put_pages(store, pool, lay, ["a0", "a1", "a2"], [2, 3, 4])  # overflow of nothing shared: SSD
+    assert store.flush_writes(30)  # on SSD: the write queue drained
     assert [store.medium_of(k) for k in ("sys0", "a0")] == ["dram", "ssd"]
     m = store.medium_summary(["sys0", "sys1", "a0", "a1", "a2", "absent"])
     assert (m.dram_pages, m.ssd_pages, m.ssd_bytes, m.needs_ssd) == (2, 3, 3 * 1536, True)

@@ -7,13 +7,21 @@ import numpy as np
 import pytest
 import torch
 import xxhash
-from flatcake_testkit import fill_page, make_store, two_requests_share
+import flatcake_testkit as testkit
+from flatcake_testkit import fill_page, two_requests_share
 
 from flatcake.gva.address import MEDIUM_DRAM, MEDIUM_SSD, decode_gva
 from flatcake.layout import PageGeometry
 from flatcake.media import extent as fmt
 from flatcake.media.errors import PoolFileGone
 from flatcake.write_path import MAX_ROUND_PAGES, max_round_pages
+
+
+def make_store(ssd_dir, **kw):
+    """``testkit.make_store`` with synchronous SSD writes (``ssd.write_backlog_bytes: 0``): these tests
+    are about the synchronous write path itself (WritePath slabs and faults), which the write queue
+    bypasses."""
+    return testkit.make_store(ssd_dir, **{"ssd.write_backlog_bytes": 0, **kw})
 
 
 def place(store, keys, pages, parent=None):

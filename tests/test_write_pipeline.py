@@ -10,7 +10,15 @@ import pytest
 
 import flatcake.write_path as write_path_mod
 from flatcake.media.errors import ShortWrite
-from tests.flatcake_testkit import make_store, page_matches, put_pages
+from tests import flatcake_testkit as testkit
+from tests.flatcake_testkit import page_matches, put_pages
+
+
+def make_store(ssd_dir, **kw):
+    """``testkit.make_store`` with synchronous SSD writes (``ssd.write_backlog_bytes: 0``): these tests
+    are about the synchronous write path itself (WritePath slabs and faults), which the write queue
+    bypasses."""
+    return testkit.make_store(ssd_dir, **{"ssd.write_backlog_bytes": 0, **kw})
 
 
 @pytest.fixture

@@ -38,6 +38,18 @@ def keys_of(name: str, n: int = 2) -> list[str]:
     return [f"{name}{i}" for i in range(n)]
 
 
+def test_the_queue_is_on_by_default_with_a_1_gib_bound(ssd_dir):
+    store, pool, lay = make_store(ssd_dir)
+    assert store.queue is not None and store.queue.backlog_limit == 1 << 30
+    assert store.snapshot_stats()["write_backlog_limit_bytes"] == 1 << 30
+    store.queue.reads_begin()
+    assert put_pages(store, pool, lay, keys_of("d"), [0, 1]) == [True, True]
+    assert store.medium_of("d0") == "queued" and not store.flush_writes(0)
+    store.queue.reads_end()
+    assert store.flush_writes(30) and store.medium_of("d0") == "ssd" and len(rounds_in_journal(store)) == 1
+    store.close()
+
+
 # ---------------------------------------------------------------- held while reading, drained after
 def test_a_round_put_while_a_read_is_in_flight_waits_and_is_written_after_it(ssd_dir):
     store, pool, lay = make_store(ssd_dir, **BACKLOG)
@@ -297,7 +309,7 @@ def test_store_stats_report_dwpd_for_the_configured_capacity(ssd_dir):
 
 
 def test_without_a_backlog_rounds_are_written_by_the_put_itself(ssd_dir):
-    store, pool, lay = make_store(ssd_dir)
+    store, pool, lay = make_store(ssd_dir, **{"ssd.write_backlog_bytes": 0})  # the opt-out: no queue
     assert store.queue is None
     put_pages(store, pool, lay, keys_of("y"), [0, 1])
     assert store.medium_of("y0") == "ssd" and len(rounds_in_journal(store)) == 1

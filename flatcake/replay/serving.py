@@ -165,7 +165,8 @@ class ServingModel:
             raise ValueError(f"host_pool_pages must be >= {2 * STORAGE_BATCH_PAGES}")
         self.pool = pool
         self.hbm = HbmCache(engine.hbm_pages)
-        self.lanes = make_lanes(cfg.scheduler, cfg.ssd_restores)
+        store = getattr(getattr(system, "inner", None), "store", None)  # FlatCake: queued restores hold its writes
+        self.lanes = make_lanes(cfg.scheduler, cfg.ssd_restores, getattr(store, "reads_pending", None))
         self._hbm_lock = threading.Lock()
         self._pages_lock = threading.Lock()
         self._cv = threading.Condition()

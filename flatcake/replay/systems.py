@@ -369,6 +369,11 @@ class FlatCakeSystem(L3System):
         return self.inner.medium_summary(keys)
 
     def counters(self):
+        """Cumulative counters at the end of a run, after the SSD write queue drained (rounds
+        still queued would otherwise be missing from ``ssd_write_bytes``)."""
+        store = getattr(self.inner, "store", None)
+        if store is not None:
+            store.flush_writes(600)
         return self._snap()
 
 

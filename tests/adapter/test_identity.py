@@ -163,6 +163,7 @@ def test_mla_followers_find_their_own_servers_writer(make_backend, monkeypatch):
     ka, kb = keys_of("A"), keys_of("B")
     write_pages(wa, wapool, ka, range(4))
     write_pages(wb, wbpool, kb, range(4))
+    assert wa.store.flush_writes(30) and wb.store.flush_writes(30)  # followers mirror the writers' journals
     assert reads_back(fa, fapool, ka) and reads_back(fb, fbpool, kb)
     assert (fa.batch_exists(kb), fb.batch_exists(ka)) == (0, 0)
 
@@ -192,6 +193,7 @@ def test_a_follower_that_sees_its_writer_does_not_warn(make_backend, monkeypatch
     w, wpool = make_backend(mla=True, tp_rank=0, tp_size=2)
     f, fpool = make_backend(mla=True, tp_rank=1, tp_size=2)
     write_pages(w, wpool, keys_of("k"), range(4))
+    assert w.store.flush_writes(30)  # a follower sees the writer's rounds once written and journaled
     assert f.batch_exists(keys_of("k")) == 4
     assert follower_warnings(caplog) == []
 
@@ -219,6 +221,7 @@ def test_mla_follower_ranks_expand_tp_rank_to_the_writers(make_backend, tmp_path
     assert f.cfg.ssd.path == w.cfg.ssd.path == str(tmp_path / "nvme0")
     assert not os.path.exists(tmp_path / "nvme1")
     write_pages(w, wpool, keys_of("m"), range(4))
+    assert w.store.flush_writes(30)  # a follower sees the writer's rounds once written and journaled
     assert reads_back(f, fpool, keys_of("m"))
 
 

@@ -10,10 +10,20 @@ import types
 from dataclasses import dataclass, field
 
 import pytest
-from flatcake_testkit import make_pool, slots_of, two_requests_share, write_pages
+import flatcake_testkit as testkit
+from flatcake_testkit import make_pool, slots_of, two_requests_share
 
 from flatcake import metrics
 from flatcake.adapter import storage
+
+
+def write_pages(be, pool, keys, pages, prefix=()):
+    """``testkit.write_pages``, then wait for the SSD write queue (``PageStore.flush_writes``): these
+    tests inspect or damage the pool files, or count SSD pages, right after a write."""
+    out = testkit.write_pages(be, pool, keys, pages, prefix)
+    assert be.store.flush_writes(30)
+    return out
+
 
 GIB = 1 << 30
 
@@ -71,7 +81,7 @@ def test_backup_pgs_count_only_pages_this_call_wrote(metered):
 
 
 def test_a_failed_put_contributes_nothing(metered, monkeypatch):
-    be, pool = metered()
+    be, pool = metered(extra={"ssd.write_backlog_bytes": 0})  # synchronous: the write fault fails the put itself
     real = os.pwritev
 
     def refuse(fd, bufs, off):

@@ -78,6 +78,7 @@ def test_lanes_serve_dram_hits_before_a_held_ssd_restore_over_the_protocol_doubl
     ssd = [f"ssd{i}" for i in range(40)]
     be.batch_exists(ssd)
     assert all(write_pages(be, pool, ssd, range(40)))
+    assert be.store.flush_writes(30)  # on SSD, not in the write queue (queued pages go to the DRAM lane)
     dram = [f"sys{i}" for i in range(3)]
     two_requests_share(be.batch_exists, dram)
     assert all(write_pages(be, pool, dram, range(40, 43)))
@@ -89,6 +90,7 @@ def test_lanes_serve_dram_hits_before_a_held_ssd_restore_over_the_protocol_doubl
 
     cc = ControllerDouble(be, pool.page_size)
     lanes = plugin.PrefetchLanes(cc, be, ssd_restores=1, ack=lambda op: ("done", op.request_id, None))
+    assert lanes.lanes.pending_reads == be.store.reads_pending  # a queued restore holds the write queue
     worker = threading.Thread(target=lanes.run)
     worker.start()
     big, small = op_for("big", ssd, pool, range(100, 140)), op_for("small", dram, pool, range(150, 153))

@@ -7,14 +7,24 @@ import threading
 
 import pytest
 import torch
+import flatcake_testkit as testkit
 from flatcake_testkit import (fill_page, page_matches, slots_of, slow_read_in_background, storage_config,
-                              two_requests_share, write_pages)
+                              two_requests_share)
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageExtraInfo
 
 from flatcake.adapter.storage import FlatCakeStorage
 from flatcake.config import ConfigError
 from flatcake.layout import SUPPORTED_LAYOUTS, UnsupportedLayoutError
 from flatcake.media.errors import SsdStartupError
+
+
+def write_pages(be, pool, keys, pages, prefix=()):
+    """``testkit.write_pages``, then wait for the SSD write queue (``PageStore.flush_writes``): these
+    tests inspect or damage the pool files, or count SSD pages, right after a write."""
+    out = testkit.write_pages(be, pool, keys, pages, prefix)
+    assert be.store.flush_writes(30)
+    return out
+
 
 LAYOUTS = list(SUPPORTED_LAYOUTS)
 
@@ -187,7 +197,7 @@ def test_calls_before_registration_are_misses(tmp_path):
 
 
 def test_exists_turns_true_no_later_than_the_write_returns(make_backend):
-    be, pool = make_backend()
+    be, pool = make_backend(extra={"ssd.write_backlog_bytes": 0})  # synchronous: published after the put's own write
     key = "race"
     fill_page(pool, 0, key)
     seen_before_return = []
@@ -327,7 +337,7 @@ def test_close_waits_for_a_running_read(make_backend):
 def test_pool_removed_behind_the_backend_stops_hits_and_recovers(make_backend):
     import shutil
 
-    be, pool = make_backend()
+    be, pool = make_backend(extra={"ssd.write_backlog_bytes": 0})  # synchronous: the put meeting the fault is False
     keys = [f"rm{i}" for i in range(4)]
     write_pages(be, pool, keys, range(4))
     shutil.rmtree(be.cfg.ssd.path)  # a tmp cleaner removes the pool
@@ -370,6 +380,7 @@ def test_duplicate_keys_in_one_call_are_stored_once(make_backend):
     fill_page(pool, 0, "x")
     fill_page(pool, 4, "y")
     assert be.batch_set_v1(["x", "x", "y"], slots_of(pool, [0, 0, 1])) == [True, True, True]
+    assert be.store.flush_writes(30)  # pages_written_ssd counts pages on disk
     assert be.flatcake_stats()["pages_written_ssd"] == 2
 
 
@@ -416,7 +427,8 @@ def test_replaced_pool_file_never_serves_old_bytes_even_without_checksums(make_b
     must give misses for the old pages and correct bytes for the new ones."""
     import os
 
-    be, pool = make_backend(extra={"cio.verify_checksums": False, "ssd.file_bytes": 2 << 20, "ssd.max_files": 1})
+    be, pool = make_backend(extra={"cio.verify_checksums": False, "ssd.file_bytes": 2 << 20, "ssd.max_files": 1,
+                                   "ssd.write_backlog_bytes": 0})  # synchronous: the put meeting the fault is False
     old = [[f"o{s}-{i}" for i in range(3)] for s in range(3)]
     for s, keys in enumerate(old):
         write_pages(be, pool, keys, range(s * 3, s * 3 + 3))

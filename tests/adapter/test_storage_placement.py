@@ -2,10 +2,19 @@
 through the backend as SGLang drives it (hit queries, then ``batch_set_v1`` with prefix keys)."""
 
 import pytest
-from flatcake_testkit import two_requests_share, write_pages
+import flatcake_testkit as testkit
+from flatcake_testkit import two_requests_share
 
 from flatcake.gva.address import MEDIUM_DRAM, MEDIUM_SSD
 from flatcake.gva.placement import ReuseScope
+
+
+def write_pages(be, pool, keys, pages, prefix=()):
+    """``testkit.write_pages``, then wait for the SSD write queue (``PageStore.flush_writes``): these
+    tests check which medium a round was placed on (a queued round reports 'queued' until written)."""
+    out = testkit.write_pages(be, pool, keys, pages, prefix)
+    assert be.store.flush_writes(30)
+    return out
 
 
 @pytest.fixture

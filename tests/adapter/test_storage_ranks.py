@@ -10,6 +10,16 @@ from flatcake.gva import mirror as mirror_mod
 from flatcake.media.errors import SsdStartupError
 
 
+@pytest.fixture
+def make_backend(make_backend):
+    """conftest's ``make_backend`` with synchronous SSD writes (``ssd.write_backlog_bytes: 0``):
+    these tests check what a follower rank mirrors right after the writer's put returned (its
+    rounds on disk and journaled then)."""
+    def make(*, extra=None, **kw):
+        return make_backend(extra={"ssd.write_backlog_bytes": 0, **(extra or {})}, **kw)
+    return make
+
+
 def test_mla_tp2_follower_rank_sees_the_writer_rank_pages(make_backend):
     """SGLang takes the MIN hit count over TP ranks; for MLA only rank 0 writes, so rank 1
     must see rank 0's pages (it tails rank 0's scope journal and reads its pool files)."""

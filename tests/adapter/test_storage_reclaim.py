@@ -4,7 +4,17 @@ pool of pinned scopes fails the put; a hit query is one dict probe per key."""
 import os
 
 import pytest
-from flatcake_testkit import page_matches, slots_of, write_pages
+import flatcake_testkit as testkit
+from flatcake_testkit import page_matches, slots_of
+
+
+def write_pages(be, pool, keys, pages, prefix=()):
+    """``testkit.write_pages``, then wait for the SSD write queue (``PageStore.flush_writes``): these
+    tests inspect or damage the pool files, or count SSD pages, right after a write."""
+    out = testkit.write_pages(be, pool, keys, pages, prefix)
+    assert be.store.flush_writes(30)
+    return out
+
 
 PS = 4
 

@@ -88,6 +88,7 @@ def test_logical_anchor_medium_summary_counts_the_pools_pages(make_backend):
     keys = [f"ms{i}" for i in range(4)]
     assert put(be, C4, c4, keys[:3], range(3)) == [True] * 3
     assert put(be, SWA, swa, keys[2:3], [0], prefix=keys[:2]) == [True]
+    assert be.extra_pool(C4).store.flush_writes(30) and be.extra_pool(SWA).store.flush_writes(30)  # on SSD
     m = be.medium_summary(keys)
     pb = be.extra_pool(C4).layout.geometry.page_bytes, be.extra_pool(SWA).layout.geometry.page_bytes
     assert m.media == ("ssd", "ssd", "ssd", None) and (m.dram_pages, m.ssd_pages) == (0, 3)

@@ -8,7 +8,8 @@ import sys
 
 import pytest
 import torch
-from flatcake_testkit import slots_of, write_pages
+import flatcake_testkit as testkit
+from flatcake_testkit import slots_of
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo, PoolHitPolicy, PoolName, PoolTransfer
 
 from flatcake.adapter.host_pool import DsaIndexerHostPoolDouble, MXFP8HostPoolDouble
@@ -16,6 +17,15 @@ from flatcake.layout import UnsupportedLayoutError
 
 sys.path.insert(0, os.path.dirname(__file__))
 from v2_kit import KINDS, PAGE, PAGES, fill, flat_bytes, matches, put, transfer, zero  # noqa: E402
+
+
+def write_pages(be, pool, keys, pages, prefix=()):
+    """``testkit.write_pages``, then wait for the SSD write queue (``PageStore.flush_writes``): these
+    tests inspect or damage the pool files, or count SSD pages, right after a write."""
+    out = testkit.write_pages(be, pool, keys, pages, prefix)
+    assert be.store.flush_writes(30)
+    return out
+
 
 TRAILING = PoolHitPolicy.TRAILING_PAGES
 
@@ -182,6 +192,7 @@ def test_a_freed_kv_scope_takes_its_extra_pages_with_it(make_backend):
     assert be.store.drop_keys([a[0]]) == 1  # session a's KV scope freed
     assert not any(be.store.exists(k) for k in a) and not any(sw.exists(k) for k in a)
     assert all(sw.exists(k) for k in b[2:]) and all(be.store.exists(k) for k in b)
+    assert sw.flush_writes(30)  # pages_indexed counts pages on SSD, not those in the write queue
     st = be.extra_pool_stats()["swa"]
     assert st["reclaimed_scopes_ssd"] == 1 and st["pages_indexed"] == 2
 

@@ -28,6 +28,7 @@ def test_mla_follower_reads_the_writers_extra_pool_and_mamba_is_per_rank(make_ba
     keys = [f"r{i}" for i in range(3)]
     assert put(w, PoolName.INDEXER, widx, keys, range(3)) == [True] * 3
     assert put(f, PoolName.INDEXER, fidx, keys, range(3)) == [True] * 3  # follower: the writer stores it
+    assert w.extra_pool("indexer").store.flush_writes(30)  # the follower mirrors the writer's journal
     zero(fidx)
     assert f.batch_get_v2([transfer(PoolName.INDEXER, fidx, keys, range(5, 8))]) == {PoolName.INDEXER: [True] * 3}
     assert all(matches(fidx, 5 + i, k) for i, k in enumerate(keys))  # the writer's bytes

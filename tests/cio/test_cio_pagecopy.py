@@ -99,6 +99,7 @@ def test_store_round_trip_bit_exact(tmp_path, mla, layout, page_size, dram):
         if dram:  # shared by two requests: placed on DRAM (paper Table 2)
             two_requests_share(store.leading_run, keys)
         assert put_pages(store, pool, lay, keys, src) == [True] * 6
+        assert store.flush_writes(30)  # on SSD: the write queue drained
         st = store.snapshot_stats()
         assert st["pages_written_dram" if dram else "pages_written_ssd"] == 6
         pool.kv_buffer.view(torch.uint8).zero_()

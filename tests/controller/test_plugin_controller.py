@@ -89,6 +89,7 @@ def scenario(make_backend, controller_module, scheduler):
     ssd_keys = [f"ssd{i}" for i in range(SSD_PAGES)]
     be.batch_exists(ssd_keys)
     assert all(write_pages(be, pool, ssd_keys, range(SSD_PAGES)))
+    assert be.store.flush_writes(30)  # on SSD: queued pages would go to the DRAM lane
     dram_keys = [[f"sys{r}-{i}" for i in range(2)] for r in range(DRAM_REQUESTS)]
     for r, keys in enumerate(dram_keys):
         two_requests_share(be.batch_exists, keys)
@@ -168,6 +169,7 @@ def test_stop_drops_queued_operations_and_joins(hooked, make_backend, controller
     for r, ks in enumerate(keys):
         be.batch_exists(ks)
         assert all(write_pages(be, pool, ks, range(4 * r, 4 * r + 4)))
+    assert be.store.flush_writes(30)  # on SSD: queued pages would go to the DRAM lane
     gate, real = threading.Event(), be.store.cio.restore
     be.store.cio.restore = lambda *a, **k: (gate.wait(30), real(*a, **k))[1]
     cc = make_controller(controller_module, be, pool)
@@ -193,6 +195,7 @@ def test_stop_terminates_a_long_restore_after_its_current_batch(hooked, make_bac
     keys = [f"long{i}" for i in range(300)]
     be.batch_exists(keys)
     assert all(write_pages(be, pool, keys, range(300)))
+    assert be.store.flush_writes(30)  # on SSD: queued pages would go to the DRAM lane
     gate, calls, real = threading.Event(), [], be.store.cio.restore
 
     def counted(*a, **k):

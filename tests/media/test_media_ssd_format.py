@@ -99,6 +99,7 @@ def test_on_disk_extent_is_self_describing(ssd_dir):
     r1, r2 = ["k0", "k1", "k2"], ["k3", "k4"]
     assert put_pages(store, pool, lay, r1, range(3), []) == [True] * 3
     assert put_pages(store, pool, lay, r2, range(3, 5), r1) == [True] * 2
+    assert store.flush_writes(30)  # on SSD: the write queue drained
     scope = store.index.get("k0").scope
     assert store.index.get("k4").scope is scope and len(scope.extents) == 1
     ext = scope.extents[0]

@@ -11,9 +11,18 @@ import shutil
 import threading
 
 import pytest
-from flatcake_testkit import make_store, page_matches, put_pages
+import flatcake_testkit as testkit
+from flatcake_testkit import page_matches, put_pages
 
 from flatcake.media import pool_dir
+
+
+def make_store(ssd_dir, **kw):
+    """``testkit.make_store`` with synchronous SSD writes (``ssd.write_backlog_bytes: 0``): these tests
+    inject drive faults and restarts right after a put and expect its rounds on disk and journaled
+    when it returns."""
+    return testkit.make_store(ssd_dir, **{"ssd.write_backlog_bytes": 0, **kw})
+
 
 BASE = {"ssd.file_bytes": 1 << 20, "ssd.max_files": 4}
 
