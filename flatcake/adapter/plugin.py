@@ -142,7 +142,9 @@ def prefetch_io_around(original, controller, *args, **kwargs):
 
 
 class PrefetchLanes:
-    """The prefetch-I/O thread under FC-MAS (see the module docstring).
+    """The prefetch-I/O thread under FC-MAS (see the module docstring). A restore queued in the
+    SSD lane counts as a pending read of the backend's store (``PageStore.reads_pending``), so its
+    SSD write queue holds writes not yet started (``docs/design.md``, "Write queue").
 
     Args:
         controller: SGLang's ``HiCacheController`` (0.5.23): reads ``prefetch_buffer``,
