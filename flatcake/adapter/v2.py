@@ -68,11 +68,32 @@ class ExtraPool:
         return int(self.host_pool.page_size or 1)
 
 
-def pool_config(cfg, kv_page_bytes: int, page_bytes: int):
-    """The configuration of an extra pool's store: capacities scaled by ``page_bytes /
-    kv_page_bytes`` (each pool holds as many pages as the KV store; ``ssd.max_files`` rounded
-    up, at least 1 file of ``ssd.file_bytes``; DRAM rounded down). Everything else is KV's."""
-    r = page_bytes / max(kv_page_bytes, 1)
+#: pools SGLang restores with ``trailing_pages`` (a window at the end of each backed-up prefix:
+#: SWA, Mamba and DeepSeek-V4 compression states), by name (``PoolName``); they hold a window
+#: per request, not a page per KV page
+TRAILING_POOLS = frozenset({PoolName.SWA.value, PoolName.AUXILIARY_SWA.value, PoolName.MAMBA.value,
+                            PoolName.DRAFT_SWA.value, PoolName.DEEPSEEK_V4_C4_STATE.value,
+                            PoolName.DEEPSEEK_V4_C4_INDEXER_STATE.value, PoolName.DEEPSEEK_V4_C128_STATE.value})
+
+#: pages a trailing pool holds per KV page: one window page per 8 prefix pages, well above what
+#: traces need (the demo's 100 WEKA requests wrote 73 SWA windows for 8,613 KV pages) and far
+#: below a page per KV page (which gave the SWA pool of DeepSeek-V4-Flash 77% of the capacity)
+TRAILING_SHARE = 0.125
+
+
+def capacity_weight(name: str, page_bytes: int) -> float:
+    """Bytes of capacity pool ``name`` needs per KV page: ``page_bytes`` for ``all_pages``
+    pools, ``page_bytes × TRAILING_SHARE`` for :data:`TRAILING_POOLS`."""
+    return page_bytes * (TRAILING_SHARE if pool_key(name) in TRAILING_POOLS else 1.0)
+
+
+def pool_config(cfg, kv_page_bytes: float, weight: float):
+    """The configuration of an extra pool's store: capacities scaled by ``weight /
+    kv_page_bytes`` (``weight``: :func:`capacity_weight`; an ``all_pages`` pool holds as many
+    pages as the KV store, a trailing pool :data:`TRAILING_SHARE` of that; ``ssd.max_files``
+    rounded up, at least 1 file of ``ssd.file_bytes``; DRAM rounded down). Everything else is
+    KV's."""
+    r = weight / max(kv_page_bytes, 1)
     dram = cfg.dram.model_copy(update={"capacity_bytes": int(cfg.dram.capacity_bytes * r)})
     ssd = cfg.ssd.model_copy(update={"max_files": max(1, math.ceil(cfg.ssd.max_files * r))})
     return cfg.model_copy(update={"dram": dram, "ssd": ssd})
@@ -176,7 +197,8 @@ class HybridPoolsMixin:
         with self._v2_lock:
             self._v2_burst_done = True
             if self.logical_anchor and not self._v2_ref_bytes:  # split the totals over this pool set
-                self._v2_ref_bytes = sum(p.layout.geometry.page_bytes for p in pools.values())
+                self._v2_ref_bytes = sum(capacity_weight(p.name, p.layout.geometry.page_bytes)
+                                         for p in pools.values())
             # replicated pools first: with a logical anchor the first one fixes the pool identity
             # the way KV's does (a follower rank finds its writer's slot)
             for p in sorted(pools.values(), key=lambda q: q.name in TP_SHARDED_POOLS):
@@ -202,7 +224,7 @@ class HybridPoolsMixin:
             ns += f"|tp={sc.tp_rank}/{sc.tp_size}"
             role = "single"
         ref = self.layout.geometry.page_bytes if self.store is not None else (self._v2_ref_bytes or g.page_bytes)
-        cfg = pool_config(self.cfg, ref, g.page_bytes)
+        cfg = pool_config(self.cfg, ref, capacity_weight(p.name, g.page_bytes))
         if instance is None:  # logical anchor, first pool: it takes this process's pool identity
             p.store, self.identity = open_pool(lambda inst: PageStore(cfg, g, ns, instance=inst, role=role),
                                                cfg, ns, base_identity(sc, cfg, getattr(self, "replica", None)), role)

@@ -9,6 +9,7 @@ import sys
 
 import torch
 from flatcake_testkit import slots_of
+from flatcake.adapter import v2
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo, PoolHitPolicy, PoolName, PoolTransfer
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -55,9 +56,15 @@ def test_logical_anchor_splits_capacity_and_retires_pools_together(make_backend)
     dsv4_pool("page_first")
     be, anchor, c4, swa = logical_backend(make_backend)
     pc4, pswa = be.extra_pool(C4), be.extra_pool(SWA)
-    total = pc4.layout.geometry.page_bytes + pswa.layout.geometry.page_bytes
+    # a trailing pool (SWA) needs a window per request, not a page per KV page: its capacity
+    # weight is TRAILING_SHARE of its page bytes
+    c4_bytes, swa_bytes = pc4.layout.geometry.page_bytes, pswa.layout.geometry.page_bytes
+    total = c4_bytes + swa_bytes * v2.TRAILING_SHARE
     cfg = be.cfg
-    assert pc4.store.cfg.ssd.max_files == math.ceil(cfg.ssd.max_files * pc4.layout.geometry.page_bytes / total)
+    assert pc4.store.cfg.ssd.max_files == math.ceil(cfg.ssd.max_files * c4_bytes / total)
+    assert pswa.store.cfg.ssd.max_files == math.ceil(cfg.ssd.max_files * swa_bytes * v2.TRAILING_SHARE / total)
+    assert v2.capacity_weight(SWA, swa_bytes) == swa_bytes * v2.TRAILING_SHARE
+    assert v2.capacity_weight(C4, c4_bytes) == c4_bytes
     assert pc4.store.ssd.prefix != pswa.store.ssd.prefix
     a, b = [f"a{i}" for i in range(3)], [f"b{i}" for i in range(3)]
     for keys, base in ((a, 0), (b, 3)):
