@@ -101,5 +101,6 @@ def test_round_header_offsets_line_up_with_entries(ssd_dir):
     scope = e.scope
     first_round = scope.extents[0].offset + fmt.BLOCK
     assert (e.gva & OFFSET_MASK) % store.ssd.file_bytes == first_round + fmt.BLOCK
-    assert np.asarray(e.checksums).shape == (store.geometry.layers,)
+    # record v3: one xxh3-64 per layer, then one device checksum (FCDS) per layer
+    assert np.asarray(e.checksums).shape == (2 * store.geometry.layers,)
     store.close()

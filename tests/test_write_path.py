@@ -15,6 +15,7 @@ from flatcake.layout import PageGeometry
 from flatcake.media import extent as fmt
 from flatcake.media.errors import PoolFileGone
 from flatcake.write_path import MAX_ROUND_PAGES, max_round_pages
+from kernels.device_checksum import fcds_chunks
 
 
 def make_store(ssd_dir, **kw):
@@ -65,7 +66,11 @@ def test_ssd_round_is_extent_header_then_header_layer_major_data_and_record(ssd_
         e = entries[p]
         f = decode_gva(e.gva)
         assert (f.medium, f.offset) == (MEDIUM_SSD, ext.file_index * store.ssd.file_bytes + plc.round_offset + fmt.BLOCK + p * g.chunk_bytes)
-        assert e.layer_stride == 3 * g.chunk_bytes and np.array_equal(e.checksums, rec.checksums[:, p])
+        # the entry carries the page's xxh3 per layer, then its device checksums (record v3)
+        assert e.layer_stride == 3 * g.chunk_bytes and np.array_equal(e.checksums, rec.page_checksums(p))
+        assert np.array_equal(e.checksums[:g.layers], rec.checksums[:, p])
+        assert np.array_equal(e.checksums[g.layers:], [fcds_chunks(np.frombuffer(chunk(lay, 5 + p, l), np.uint8),
+                                                                    g.chunk_bytes)[0] for l in range(g.layers)])
     st = store.stats.snapshot()
     # extent header, then header + data, then the record: three ordered writes
     assert (st["ssd_write_ops"], st["ssd_write_bytes"], st["pages_written_ssd"]) == (3, fmt.BLOCK + rl.total_bytes, 3)
