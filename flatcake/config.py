@@ -220,8 +220,12 @@ class SsdConfig(_WatermarkSection):
             bad = [p for p in path if not isinstance(p, str) or not p.strip()]
             if bad:
                 raise ValueError(f"ssd.path: every entry must be a non-empty directory string (got {bad[0]!r})")
-            if len(set(path)) != len(path):
-                raise ValueError("ssd.path: a directory is listed twice")
+            seen: dict = {}
+            for p in path:  # "/d/a", "/d/a/" and "/d/./a" are one directory
+                norm = os.path.normpath(os.path.abspath(p))
+                if norm in seen:
+                    raise ValueError(f"ssd.path: a directory is listed twice ({seen[norm]!r} and {p!r})")
+                seen[norm] = p
             data["path"], data["paths"] = path[0], tuple(path)
         return data
 

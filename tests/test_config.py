@@ -357,3 +357,11 @@ def test_a_dumped_config_with_several_drives_validates_again_and_a_changed_path_
     assert (again.path, again.paths) == ("/elsewhere", ("/elsewhere",))
     with pytest.raises(ConfigError, match="give the drives as a list in ssd.path"):
         load_config(None, {"ssd": {"paths": ["/a"]}})
+
+
+@pytest.mark.parametrize("drives", [["/d/a", "/d/a/"], ["/d/b", "/d/./b"], ["/d/c", "/d/x/../c"]])
+def test_one_directory_written_two_ways_is_listed_twice(drives):
+    """Two spellings of one directory would open one pool twice (found by a fresh-user check:
+    the second drive's lock collided with the first); refused naming both spellings."""
+    with pytest.raises(ConfigError, match=r"ssd.path: a directory is listed twice \('"):
+        load_config(None, {"ssd.path": drives})
