@@ -255,7 +255,7 @@ class SsdConfig(_WatermarkSection):
         try:
             return SsdConfig.model_validate({**data, "path": list(paths)})
         except ValidationError as e:
-            raise ConfigError(_format_validation_error(e)) from None
+            raise ConfigError(_format_validation_error(e, "ssd")) from None
 
     @field_validator("path")
     @classmethod
@@ -454,10 +454,12 @@ def read_yaml(path: str | Path) -> dict:
     return data
 
 
-def _format_validation_error(err: ValidationError) -> str:
+def _format_validation_error(err: ValidationError, section: str = "") -> str:
+    """One message naming every bad field; ``section`` prefixes the locations of a section
+    validated on its own (``SsdConfig.with_paths``)."""
     lines = []
     for e in err.errors():
-        loc = ".".join(str(x) for x in e["loc"]) or "<root>"
+        loc = ".".join(str(x) for x in ((section,) if section else ()) + tuple(e["loc"])) or "<root>"
         msg = e["msg"]
         if e["type"] == "extra_forbidden":
             msg = "unknown key"
