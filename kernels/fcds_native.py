@@ -13,18 +13,11 @@ to :func:`~flatcake.kernels.device_checksum.fcds_numpy` (same bits; logged once 
 from __future__ import annotations
 
 import ctypes
-import logging
-import os
-import shutil
-import subprocess
-import tempfile
-import threading
 
 import numpy as np
 
 from flatcake.kernels.device_checksum import fcds_numpy
-
-log = logging.getLogger(__name__)
+from flatcake.native_loop import NativeLoop, chunk_starts, compile_shim
 
 _SHIM = r"""
 #include <stdint.h>
@@ -55,56 +48,31 @@ void fc_fcds_at(const uint8_t *base, const int64_t *starts, int64_t n, int64_t l
 }
 """
 
-_lock = threading.Lock()
-_state: dict = {}
 
-
-def _compile():
-    """(library, why not): the shim, or None and the reason."""
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if not cc:
-        return None, "no C compiler (cc) on PATH"
-    d = tempfile.mkdtemp(prefix="flatcake-fcds-")
-    try:
-        src, so = os.path.join(d, "fcds.c"), os.path.join(d, "libfcfcds.so")
-        with open(src, "w") as f:
-            f.write(_SHIM)
-        for flags in (["-O3", "-march=native"], ["-O3"]):  # native: AVX2 lanes, ~3x faster here
-            proc = subprocess.run([cc, *flags, "-shared", "-fPIC", "-o", so, src], capture_output=True, text=True,
-                                  timeout=60)
-            if proc.returncode == 0:
-                break
-        if proc.returncode != 0:
-            return None, f"{cc} failed: {proc.stderr.strip()[:200]}"
-        lib = ctypes.CDLL(so)
-    except (OSError, subprocess.SubprocessError) as e:
-        return None, f"compiling the shim failed ({e})"
-    finally:
-        shutil.rmtree(d, ignore_errors=True)
+def _build():
+    """The bound C loop ``fc_fcds_at``, or ``(None, why)``."""
+    lib, why = compile_shim(_SHIM, "fcds", (["-O3", "-march=native"], ["-O3"]))  # native: AVX2, ~3x here
+    if lib is None:
+        return None, why
     fn = lib.fc_fcds_at
     fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
     fn.restype = None
-    return lib, ""
+    return fn, ""
+
+
+#: the C loop (``FLATCAKE_NATIVE_FCDS=0`` turns it off)
+LOOP = NativeLoop(_build, "FLATCAKE_NATIVE_FCDS", "FlatCake device checksums on the write side: numpy")
 
 
 def native() -> bool:
     """Whether the C loop is in use (compiled on the first call; thread-safe;
     ``FLATCAKE_NATIVE_FCDS=0`` disables it)."""
-    if "lib" not in _state:
-        with _lock:
-            if "lib" not in _state:
-                lib, why = (None, "disabled by FLATCAKE_NATIVE_FCDS=0") \
-                    if os.environ.get("FLATCAKE_NATIVE_FCDS", "1") == "0" else _compile()
-                if lib is None:
-                    log.info("FlatCake device checksums on the write side: numpy (%s)", why)
-                _state["lib"] = lib
-    return _state["lib"] is not None
+    return LOOP.fn() is not None
 
 
 def warm_up() -> None:
     """Compile the C loop in a background (non-daemon) thread, so the first round does not wait."""
-    if "lib" not in _state:
-        threading.Thread(target=native, name="fc-fcds-init", daemon=False).start()
+    LOOP.warm_up("fc-fcds-init")
 
 
 def fcds_host_at(host: np.ndarray, starts, chunk_bytes: int) -> np.ndarray:
@@ -115,15 +83,14 @@ def fcds_host_at(host: np.ndarray, starts, chunk_bytes: int) -> np.ndarray:
     Raises:
         ValueError: an offset outside ``host`` (checked before any byte is read).
     """
-    st = np.ascontiguousarray(starts, dtype=np.int64).reshape(-1)
+    st = chunk_starts(host, starts, chunk_bytes)
     n = st.shape[0]
     out = np.empty(n, dtype=np.uint64)
     if n == 0:
         return out
-    if int(st.min()) < 0 or int(st.max()) + chunk_bytes > host.shape[0]:
-        raise ValueError(f"chunk offsets outside the {host.shape[0]}-byte buffer")
-    if native() and host.flags.c_contiguous:
-        _state["lib"].fc_fcds_at(host.ctypes.data, st.ctypes.data, n, chunk_bytes, out.ctypes.data)
+    fn = LOOP.fn()
+    if fn is not None and host.flags.c_contiguous:
+        fn(host.ctypes.data, st.ctypes.data, n, chunk_bytes, out.ctypes.data)
         return out
     return fcds_numpy(host, st, chunk_bytes)
 

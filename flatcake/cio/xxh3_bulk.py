@@ -18,18 +18,12 @@ GIL. Where no C compiler is available, or the xxhash extension does not export
 from __future__ import annotations
 
 import ctypes
-import logging
-import os
-import shutil
-import subprocess
-import tempfile
-import threading
-from typing import Optional
+import functools
 
 import numpy as np
 import xxhash
 
-log = logging.getLogger(__name__)
+from flatcake.native_loop import NativeLoop, chunk_starts, compile_shim
 
 _SHIM = r"""
 #include <stdint.h>
@@ -41,61 +35,38 @@ void fc_xxh3_at(void *fn, const uint8_t *base, const int64_t *starts, int64_t n,
 }
 """
 
-_lock = threading.Lock()
-_state: dict = {}
 
-
-def _compile() -> tuple[Optional[ctypes.CDLL], int, str]:
-    """(shim library, address of XXH3_64bits, why not) — the library is None on any failure."""
+def _build():
+    """The bound C loop (``fc_xxh3_at`` with the address of python-xxhash's ``XXH3_64bits``),
+    or ``(None, why)``."""
     try:
         import xxhash._xxhash as ext
 
-        xx = ctypes.CDLL(ext.__file__)
-        addr = ctypes.cast(xx.XXH3_64bits, ctypes.c_void_p).value
+        addr = ctypes.cast(ctypes.CDLL(ext.__file__).XXH3_64bits, ctypes.c_void_p).value
     except (ImportError, OSError, AttributeError) as e:
-        return None, 0, f"xxhash extension does not export XXH3_64bits ({e})"
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if not cc:
-        return None, 0, "no C compiler (cc) on PATH"
-    d = tempfile.mkdtemp(prefix="flatcake-xxh3-")
-    try:
-        src, so = os.path.join(d, "shim.c"), os.path.join(d, "libfcxxh3.so")
-        with open(src, "w") as f:
-            f.write(_SHIM)
-        proc = subprocess.run([cc, "-O2", "-shared", "-fPIC", "-o", so, src], capture_output=True, text=True,
-                              timeout=60)
-        if proc.returncode != 0:
-            return None, 0, f"{cc} failed: {proc.stderr.strip()[:200]}"
-        lib = ctypes.CDLL(so)  # mapped: the file can go
-    except (OSError, subprocess.SubprocessError) as e:
-        return None, 0, f"compiling the shim failed ({e})"
-    finally:
-        shutil.rmtree(d, ignore_errors=True)
+        return None, f"xxhash extension does not export XXH3_64bits ({e})"
+    lib, why = compile_shim(_SHIM, "xxh3")
+    if lib is None:
+        return None, why
     fn = lib.fc_xxh3_at
     fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
     fn.restype = None
-    return lib, addr, ""
+    return functools.partial(fn, addr), ""  # the function object keeps its library loaded
+
+
+#: the C loop (``FLATCAKE_NATIVE_XXH3=0`` turns it off)
+LOOP = NativeLoop(_build, "FLATCAKE_NATIVE_XXH3", "FlatCake checksums: per-chunk Python loop")
 
 
 def native() -> bool:
     """Whether the GIL-free C loop is in use (compiles the shim on the first call; thread-safe)."""
-    if "lib" not in _state:
-        with _lock:
-            if "lib" not in _state:
-                lib, addr, why = (None, 0, "disabled by FLATCAKE_NATIVE_XXH3=0") \
-                    if os.environ.get("FLATCAKE_NATIVE_XXH3", "1") == "0" else _compile()
-                if lib is None:
-                    log.info("FlatCake checksums: per-chunk Python loop (%s)", why)
-                _state["addr"] = addr
-                _state["lib"] = lib
-    return _state["lib"] is not None
+    return LOOP.fn() is not None
 
 
 def warm_up() -> None:
     """Compile and load the native loop in a background thread (called at start-up, so the
     first put or restore does not wait for the compiler; a call that comes first waits)."""
-    if "lib" not in _state:  # not a daemon: an exit waits for it, so its temporary files always go
-        threading.Thread(target=native, name="fc-xxh3-init", daemon=False).start()
+    LOOP.warm_up("fc-xxh3-init")
 
 
 def xxh3_at(host: np.ndarray, starts, chunk_bytes: int) -> np.ndarray:
@@ -113,11 +84,18 @@ def xxh3_at(host: np.ndarray, starts, chunk_bytes: int) -> np.ndarray:
     Raises:
         ValueError: an offset outside ``host`` (checked before any byte is read).
     """
-    st = np.ascontiguousarray(starts, dtype=np.int64).reshape(-1)
+    st = chunk_starts(host, starts, chunk_bytes)
     n = st.shape[0]
     out = np.empty(n, dtype=np.uint64)
-    if n == 0:
+    fn = LOOP.fn() if n else None
+    if fn is not None and host.flags.c_contiguous:
+        fn(host.ctypes.data, st.ctypes.data, n, chunk_bytes, out.ctypes.data)
         return out
+    mv = memoryview(host)
+    h = xxhash.xxh3_64_intdigest
+    for i, s in enumerate(st.tolist()):
+        out[i] = h(mv[s: s + chunk_bytes])
+    return out
     if int(st.min()) < 0 or int(st.max()) + chunk_bytes > host.shape[0]:
         raise ValueError(f"chunk offsets outside the {host.shape[0]}-byte buffer")
     if native() and host.flags.c_contiguous:
