@@ -130,12 +130,12 @@ COMMANDS = {"start", "publish", "retire", "flush", "lookup", "wait", "stats", "c
             "reserve", "release", "reserved", "compact", "close"}
 
 
-def main() -> int:
-    """Serve commands from stdin until EOF or ``{"cmd": "exit"}``; returns 0."""
-    logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="agent %(levelname)s %(name)s: %(message)s")
-    import flatcake.cluster.node  # noqa: F401  (imported before the first command: agents start in parallel)
-
-    agent = _Agent()
+def serve(agent, commands, tag: str) -> int:
+    """Serve ``agent``'s methods named in ``commands`` from stdin, one JSON object per line
+    (``{"cmd": name, **kwargs}``), each answered on stdout with ``{"ok": True, **result}`` or
+    ``{"ok": False, "error": ...}``, until EOF or ``{"cmd": "exit"}``; then ``agent.close()``.
+    ``tag`` prefixes the agent's log lines (stderr). Returns 0."""
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format=f"{tag} %(levelname)s %(name)s: %(message)s")
     for line in sys.stdin:
         if not line.strip():
             continue
@@ -144,7 +144,7 @@ def main() -> int:
         if cmd == "exit":
             break
         try:
-            if cmd not in COMMANDS:
+            if cmd not in commands:
                 raise ValueError(f"unknown command {cmd!r}")
             reply = {"ok": True, **getattr(agent, cmd)(**msg)}
         except Exception as e:
@@ -153,6 +153,13 @@ def main() -> int:
         sys.stdout.flush()
     agent.close()
     return 0
+
+
+def main() -> int:
+    """Serve a cluster node's commands from stdin (:func:`serve`); returns 0."""
+    import flatcake.cluster.node  # noqa: F401  (imported before the first command: agents start in parallel)
+
+    return serve(_Agent(), COMMANDS, "agent")
 
 
 class AgentClient:

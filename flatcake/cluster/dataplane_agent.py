@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import base64
 import json
-import logging
 import os
 import sys
 import time
@@ -29,6 +28,7 @@ from typing import Optional
 import numpy as np
 import xxhash
 
+from flatcake.cluster.agent import serve
 from flatcake.gva.address import MEDIUM_DRAM, MEDIUM_SSD, encode_gva
 
 COMMANDS = {"start", "write_dram", "write_ssd", "overwrite_dram", "churn_dram", "wait", "resolve", "read", "raw_read",
@@ -279,26 +279,8 @@ class DataPlaneClient:
 
 
 def main() -> int:
-    """Serve commands from stdin until EOF or ``{"cmd": "exit"}``; returns 0."""
-    logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="dp-agent %(levelname)s %(name)s: %(message)s")
-    agent = DataPlaneAgent()
-    for line in sys.stdin:
-        if not line.strip():
-            continue
-        msg = json.loads(line)
-        cmd = msg.pop("cmd")
-        if cmd == "exit":
-            break
-        try:
-            if cmd not in COMMANDS:
-                raise ValueError(f"unknown command {cmd!r}")
-            reply = {"ok": True, **getattr(agent, cmd)(**msg)}
-        except Exception as e:
-            reply = {"ok": False, "error": f"{type(e).__name__}: {e}"}
-        sys.stdout.write(json.dumps(reply) + "\n")
-        sys.stdout.flush()
-    agent.close()
-    return 0
+    """Serve the data-plane agent's commands from stdin (:func:`flatcake.cluster.agent.serve`)."""
+    return serve(DataPlaneAgent(), COMMANDS, "dp-agent")
 
 
 if __name__ == "__main__":
