@@ -33,8 +33,10 @@ from flatcake.gva.address import MEDIUM_SSD, OFFSET_MASK, medium_of
 
 log = logging.getLogger(__name__)
 
-#: bytes per Transfer Engine entry when pulling a staging slot (a slot is pulled as several entries)
-PULL_ENTRY_BYTES = 1 << 20
+#: bytes per Transfer Engine entry when pulling a staging slot (a larger slot is pulled as several
+#: entries). 4 MiB: with 1 MiB entries the pulls of a 32 MiB read took 85-128 ms, with 4 MiB
+#: entries 32-51 ms (bench_cluster.py, 2 x 4 MiB slots, 2026-12-01; docs/cluster.md)
+PULL_ENTRY_BYTES = 4 << 20
 
 
 class RemoteSsdReader:
