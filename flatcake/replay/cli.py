@@ -380,6 +380,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--scheduler", help="with --qps: prefetch I/O order, fcfs | mas | fcfs,mas (default: the config's mas.scheduler)")
     p.add_argument("--ssd-restores", type=int, help="with --qps: concurrent SSD restores in the mas lanes "
                    "(default: the config's cio.windows)")
+    p.add_argument("--nodes", type=int, help="replay on N FlatCake nodes in network namespaces, with and without "
+                   "the cluster-wide index (needs root and the cluster extra; flatcake/replay/cluster_replay.py)")
+    p.add_argument("--router", choices=("affinity", "round-robin"),
+                   help="with --nodes: a conversation's requests to one node (affinity, default) or spread")
     return p
 
 
@@ -403,6 +407,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except (ConfigError, ValueError, FileNotFoundError) as e:
         print(f"flatcake-replay: {e}", file=sys.stderr)
         return 2
+    if args.nodes is not None or args.router is not None:  # several nodes: flatcake/replay/cluster_replay.py
+        from flatcake.replay.cluster_replay import run_nodes
+
+        return run_nodes(cfg, settings, profile, args)
     try:  # serving flags are checked even without --qps: a typo never passes silently
         scheds = parse_schedulers(cfg.mas.scheduler if args.scheduler is None else args.scheduler)
         rates = parse_rates(args.qps) if args.qps is not None else None
