@@ -376,12 +376,17 @@ class PageStore:
             (self.queue.reads_begin if delta > 0 else self.queue.reads_end)()
 
     # ================================================================ scopes of other stores
-    def add_retire_listener(self, fn) -> None:
-        """Call ``fn(keys)`` (list of str) with the keys of every scope this store frees
-        (reclaim, drop after a failed read, clear), under its writer lock; ``fn`` must not
-        call back into this store. Used to retire a session's extra-pool pages with its KV
-        pages (``docs/design.md``, "Hybrid models")."""
-        self.scopes.retire_listeners.append(fn)
+    def add_retire_listener(self, fn, with_scope: bool = False) -> None:
+        """Call ``fn(keys)`` (``with_scope``: ``fn(keys, scope_id)``) for every scope this store
+        frees (reclaim, drop after a failed read, clear), under its writer lock; ``fn`` must not
+        call back into this store. Retires a session's extra-pool pages with its KV pages
+        (``docs/design.md``, "Hybrid models") and its cluster records (``docs/cluster.md``)."""
+        self.scopes.retire_listeners.append(fn if with_scope else (lambda keys, scope_id: fn(keys)))
+
+    def add_publish_listener(self, fn) -> None:
+        """Call ``fn(placement, entries)`` for every round published (DRAM, SSD, queued rounds
+        once written), under the writer lock: queue work only (:mod:`flatcake.gva.listeners`)."""
+        self.scopes.publish_listeners.append(fn)
 
     def drop_keys(self, keys: Sequence[str]) -> int:
         """Drop (free now, or when their last reader leaves) every scope holding one of

@@ -33,6 +33,7 @@ from flatcake.layout import KvPageLayout, UnsupportedLayoutError
 from flatcake.adapter.v2 import HybridPoolsMixin, is_logical_anchor
 from flatcake.adapter.identity import (PoolIdentity, base_identity, dp_rank_of, expand_ssd_paths, open_pool, rank_values,
                                        sglang_replica)
+from flatcake.adapter.cluster_hook import start_member, stop_member
 from flatcake.adapter.startup import check_file_bytes, default_path_warning, prefix_keys_warning, startup_line
 from flatcake.media.pool_dir import ensure_pool_dir
 from flatcake.metrics import REFRESH_S, make_exporter
@@ -97,6 +98,7 @@ class FlatCakeStorage(HybridPoolsMixin, HiCacheStorage):
         #: this process's pool identity (:mod:`flatcake.adapter.identity`), once registered
         self.identity: Optional[PoolIdentity] = None
         self.store: Optional[PageStore] = None
+        self.cluster = None  # ClusterMember when cluster.etcd is set (flatcake.adapter.cluster_hook)
         self.layout: Optional[KvPageLayout] = None
         self.mem_pool_host = None
         self.is_writer = storage_config.is_storage_writer if storage_config else True
@@ -134,6 +136,8 @@ class FlatCakeStorage(HybridPoolsMixin, HiCacheStorage):
         layout = KvPageLayout.from_host_pool(mem_pool_host)
         check_file_bytes(self.cfg, layout.geometry)  # ConfigError naming ssd.file_bytes
         with self._lock:
+            stop_member(self.cluster)
+            self.cluster = None
             if self.store is not None:
                 self.refresh_metrics(force=True)
                 self.store.close()
@@ -150,6 +154,7 @@ class FlatCakeStorage(HybridPoolsMixin, HiCacheStorage):
                 lambda instance: PageStore(self.cfg, layout.geometry, self.namespace, instance=instance, role=role),
                 self.cfg, self.namespace, base_identity(sc, self.cfg, self.replica), role)
             self.errors = self.store.errors
+            self.cluster = start_member(self.cfg, self.store, self.namespace)
             if self._exporter is not None:
                 self._exporter.new_store(self._metric_labels())
         self._log_startup(role, self.identity)
@@ -215,7 +220,8 @@ class FlatCakeStorage(HybridPoolsMixin, HiCacheStorage):
         try:
             if self.logical_anchor or not self._ready():  # a logical anchor holds no KV page
                 return 0
-            return self.store.leading_run(keys, _prefix(extra_info))
+            n = self.store.leading_run(keys, _prefix(extra_info))
+            return n if self.cluster is None else self.cluster.extend_run(keys, n)  # then other nodes'
         except Exception as e:
             self.errors("batch_exists", e)
             return 0
@@ -247,6 +253,8 @@ class FlatCakeStorage(HybridPoolsMixin, HiCacheStorage):
                 return [False] * len(keys)
             t0 = _now()
             out = self.store.get(keys, self.layout, ids)
+            if self.cluster is not None:  # pages other nodes hold after the local run
+                self.cluster.fill(keys, out, self.layout, ids)
             self._note_metric(self._prefetch_pgs, self._prefetch_bw, sum(out), t0)  # pages read
             return out
         except Exception as e:
@@ -286,6 +294,8 @@ class FlatCakeStorage(HybridPoolsMixin, HiCacheStorage):
             lay = KvPageLayout.from_flat_pages(flat, self.mem_pool_host)
             t0 = _now()
             ok = self.store.get(keys, lay, list(range(n)))
+            if self.cluster is not None:
+                self.cluster.fill(keys, ok, lay, list(range(n)))
             self._note_metric(self._prefetch_pgs, self._prefetch_bw, sum(ok), t0)
             out: List[Optional[torch.Tensor]] = []
             for i, good in enumerate(ok):
@@ -339,6 +349,8 @@ class FlatCakeStorage(HybridPoolsMixin, HiCacheStorage):
         """Release files, staging buffers and pinned memory (of the v2 extra pools too)."""
         self.close_extra_pools()
         with self._lock:
+            stop_member(self.cluster)
+            self.cluster = None
             if self.store is not None:
                 try:
                     self.refresh_metrics(force=True)
@@ -347,8 +359,12 @@ class FlatCakeStorage(HybridPoolsMixin, HiCacheStorage):
                     log.warning("flatcake close: %s", e)
 
     def flatcake_stats(self) -> dict:
-        """FlatCake's cumulative counters (see :class:`flatcake.store.StoreStats`)."""
-        return self.store.snapshot_stats() if self.store is not None else {}
+        """FlatCake's cumulative counters (see :class:`flatcake.store.StoreStats`); with a
+        cluster also ``cluster`` (:meth:`flatcake.cluster.member.ClusterMember.stats`)."""
+        d = self.store.snapshot_stats() if self.store is not None else {}
+        if self.cluster is not None:
+            d["cluster"] = self.cluster.stats()
+        return d
 
     def _metrics_on(self) -> bool:
         return bool(self.storage_config and self.storage_config.enable_storage_metrics)

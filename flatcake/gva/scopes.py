@@ -30,6 +30,7 @@ from flatcake.gva.address import MEDIUM_DRAM, MEDIUM_SSD
 from flatcake.gva.drive_faults import drop_pages_in_files_locked
 from flatcake.gva.index import GvaIndex, KeyClaims, PageEntry, SessionScope
 from flatcake.gva.journal import COMPACT_MIN_ENTRIES, RETIRE, ROUND, JournalEntry, JournalWriter
+from flatcake.gva.listeners import Listeners
 from flatcake.gva.placement import Placement, PlacementDecision, PlacementPolicy, PlacementSignals, ReuseScope, reuse_code
 from flatcake.gva.signals import InterestCounter, RequeryFilter
 from flatcake.layout import PageGeometry
@@ -75,9 +76,11 @@ class ScopeTable:
         self._journal_broken = False  # an append failed: rewrite the journal before the next one
         self.claims = KeyClaims(self.index)  # keys a put is writing now
         self.requeries = RequeryFilter(cfg.placement.requery_window_s)
-        #: callables ``fn(keys)`` told the keys of every scope freed (reclaim, drop, clear), under
-        #: the writer lock; the v2 adapter retires extra-pool pages of the same session with it
-        self.retire_listeners: list = []
+        #: ``fn(keys, scope_id)`` for every scope freed (reclaim, drop, clear), under the writer
+        #: lock (the v2 adapter retires a session's extra-pool pages, the cluster its records)
+        self.retire_listeners = Listeners(errors, "retire listener")
+        #: ``fn(placement, entries)`` for every round published (:meth:`commit_locked`), same lock
+        self.publish_listeners = Listeners(errors, "publish listener")
 
     # ================================================================ hit queries and readers
     def note_hit_query(self, keys: Sequence[str], n: int, prefix_keys: Optional[Sequence[str]]) -> None:
@@ -282,6 +285,7 @@ class ScopeTable:
             scope.rounds.append(e)
             self.live_rounds += 1
         self.index.publish_locked(plc.keys, entries)
+        self.publish_listeners(plc, entries)
         if scope.tail_key is None or scope.tail_key == parent:  # appended at the tail
             self.index.set_tail_locked(scope, plc.keys[-1])
         scope.cur_turn_tokens += len(plc.keys) * self.geometry.page_size
@@ -384,17 +388,13 @@ class ScopeTable:
             self.dram.free_locked(scope.slots)
             self.stats.add(reclaimed_scopes_dram=1, reclaimed_bytes=scope.nbytes)
         if keys:
-            self.notify_retired(keys)
+            self.notify_retired(keys, scope.scope_id)
         return True
 
-    def notify_retired(self, keys: list) -> None:
-        """Tell every :attr:`retire_listeners` callable the keys of a freed scope. A listener
-        that raises is logged once (op ``retire listener``) and never stops the reclaim."""
-        for fn in list(self.retire_listeners):
-            try:
-                fn(keys)
-            except Exception as e:  # noqa: BLE001 - a listener never breaks reclaim
-                self.errors("retire listener", e)
+    def notify_retired(self, keys: list, scope_id: int = 0) -> None:
+        """Tell every :attr:`retire_listeners` callable the keys and id of a freed scope. A
+        listener that raises is logged once (op ``retire listener``) and never stops the reclaim."""
+        self.retire_listeners(keys, scope_id)
 
     def drop_locked(self, scope: SessionScope) -> bool:
         """Free ``scope`` now, or, while a reader or writer pins it, *doom* it: its keys are
