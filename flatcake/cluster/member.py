@@ -74,6 +74,7 @@ class ClusterMember:
         self._jobs: "queue.SimpleQueue" = queue.SimpleQueue()
         self._seq: dict[int, int] = {}  # scope id -> next round number published
         self._read_lock = threading.Lock()  # one remote read at a time (one landing buffer)
+        self._count_lock = threading.Lock()  # counters are bumped from SGLang's threads
         self._worker: Optional[threading.Thread] = None
         self._closed = False
         self.counters = {"remote_hit_pages": {"dram": 0, "ssd": 0}, "remote_read_pages": {"dram": 0, "ssd": 0},
@@ -195,8 +196,9 @@ class ClusterMember:
             if n >= len(keys) or self._closed:
                 return n
             pages = self._run(keys[n:])
-            for p in pages:
-                self.counters["remote_hit_pages"][MEDIUM_NAMES[medium_of(p.gva)]] += 1
+            with self._count_lock:
+                for p in pages:
+                    self.counters["remote_hit_pages"][MEDIUM_NAMES[medium_of(p.gva)]] += 1
             return n + len(pages)
         except Exception as e:  # noqa: BLE001
             self.store.errors("cluster hit query", e)
@@ -224,7 +226,8 @@ class ClusterMember:
             self._count_read(pages, res, h)
             return h
         except Exception as e:  # noqa: BLE001
-            self.counters["remote_miss_pages"]["error"] += 1
+            with self._count_lock:
+                self.counters["remote_miss_pages"]["error"] += 1
             self.store.errors("cluster read", e)
             return 0
 
@@ -239,6 +242,10 @@ class ClusterMember:
             scatter_pages(layout, rows[:, layer], dst, layer)
 
     def _count_read(self, pages, res, h: int) -> None:
+        with self._count_lock:
+            self._count_read_locked(pages, res, h)
+
+    def _count_read_locked(self, pages, res, h: int) -> None:
         c = self.counters
         c["remote_reads"] += 1
         for p in pages[:h]:
@@ -254,8 +261,8 @@ class ClusterMember:
         ``published_pages``, ``unpublished_rounds``, ``retired_scopes``, ``remote_reads``, plus
         the node's (:meth:`ClusterNode.stats <flatcake.cluster.node.ClusterNode.stats>`) and
         ``node_id``, ``prefix``."""
-        c = self.counters
-        out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in c.items()}
+        with self._count_lock:
+            out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in self.counters.items()}
         try:
             out.update(self.node.stats())
         except Exception as e:  # noqa: BLE001

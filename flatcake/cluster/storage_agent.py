@@ -18,7 +18,8 @@ command        arguments -> reply
 ``start``      ``config`` (FlatCake overrides: ``node_id``, ``cluster.*``, ...), ``ssd_dir``,
                optional ``mla`` (False), ``layout`` ("page_first"), ``pages`` (64 host pages),
                ``page_size`` (4 tokens), ``layers`` (4), ``model`` ("test-model")
-               -> ``page_bytes``, ``namespace``, ``cluster`` (bool: a member was started)
+               -> ``page_bytes``, ``namespace``, ``cluster`` (bool: a member was started);
+               a second ``start`` closes the previous backend first (its node leaves)
 ``set``        ``keys``, optional ``shared`` (False: two hit queries first, so Table 2 places
                the round on DRAM as a shared prompt), ``prefix`` (prefix keys)
                -> ``ok`` [bool], ``media`` ["dram"|"ssd"|None] (after the write queue drained)
@@ -79,12 +80,14 @@ class StorageAgent:
 
     def start(self, config: dict, ssd_dir: str, mla: bool = False, layout: str = "page_first", pages: int = 64,
               page_size: int = 4, layers: int = 4, model: str = "test-model") -> dict:
-        """Build and register the backend (see the module docstring)."""
+        """Build and register the backend (see the module docstring); a backend already
+        started is closed first (its node leaves the cluster)."""
         from flatcake.adapter.host_pool import MHAHostPoolDouble, MLAHostPoolDouble
         from flatcake.adapter.storage import FlatCakeStorage
         from flatcake.config import FLATCAKE_EXTRA
         from flatcake.replay.systems import storage_config
 
+        self.close()
         extra = {**FLATCAKE_EXTRA, "ssd.path": ssd_dir, "ssd.file_bytes": 8 << 20, "ssd.max_files": 4,
                  "dram.capacity_bytes": 4 << 20, "placement.requery_window_s": 0, **config}
         if mla:
