@@ -37,9 +37,11 @@ from flatcake.cluster.dataplane import DataPlane
 from flatcake.cluster.node import ClusterNode
 from flatcake.cluster.remote_dram import dram_round_checksums
 from flatcake.config import ConfigError, FlatCakeConfig
-from flatcake.gva.address import MEDIUM_DRAM, MEDIUM_NAMES, medium_of
+from flatcake.gva.address import MEDIUM_DRAM, MEDIUM_NAMES, OFFSET_MASK, medium_of
 
 log = logging.getLogger(__name__)
+
+MAX_RECORD_PAGES = 128  # pages per record of pages held before the member started (SGLang's batch)
 
 MISS_CAUSES = ("mismatch", "unverifiable", "failed", "timeout", "unknown_owner", "not_in_view", "suspended",
                "after_miss", "error")
@@ -100,9 +102,28 @@ class ClusterMember:
             raise
         self._worker = threading.Thread(target=self._work, name="flatcake-cluster-publish", daemon=True)
         self._worker.start()
-        self.store.add_publish_listener(self._on_publish)
-        self.store.add_retire_listener(self._on_retire, with_scope=True)
+        with self.store.scopes.lock:  # nothing is published or freed between the two
+            self.store.add_publish_listener(self._on_publish)
+            self.store.add_retire_listener(self._on_retire, with_scope=True)
+            self._publish_existing_locked()
         return self
+
+    def _publish_existing_locked(self) -> None:
+        """Queue the pages the store already holds (a warm restart's rebuilt SSD scopes) as
+        records of at most 128 pages of one layer stride each. Writer lock held."""
+        index, pb = self.store.index, self.geometry.page_bytes
+        for scope in list(index.scopes.values()):
+            pairs = [(k, index.get(k)) for k in scope.keys]
+            pairs = [(k, e) for k, e in pairs if e is not None and e.scope is scope]
+            keys, entries = [k for k, _ in pairs], [e for _, e in pairs]
+            a = 0
+            while a < len(entries):
+                b = a + 1
+                while b < len(entries) and b - a < MAX_RECORD_PAGES and entries[b].layer_stride == entries[a].layer_stride:
+                    b += 1
+                slots = [(e.gva & OFFSET_MASK) // pb for e in entries[a:b]] if scope.medium == MEDIUM_DRAM else None
+                self._jobs.put(("round", scope, scope.medium, keys[a:b], entries[a:b], slots))
+                a = b
 
     def close(self) -> None:
         """Stop publishing (what is queued is committed for up to 1 s), serving and the node
