@@ -128,6 +128,24 @@ class PeerDirectory:
         with self._lock:
             self._cache.pop(node, None)
 
+    def replaced(self, node: int, used: Optional[DataPlaneDescriptor]) -> Optional[DataPlaneDescriptor]:
+        """A transfer with descriptor ``used`` failed: look ``node``'s descriptor up now; if it
+        changed (the owner restarted: a new engine, a new region), cache and return the new one
+        (the read is retried with it, no back-off), else None. One etcd read; never raises."""
+        if used is None:
+            return None
+        with self._lock:
+            self.lookups += 1
+            try:
+                desc = lookup_descriptor(self.session, self.prefix, node)
+            except Exception as e:
+                log.warning("data-plane descriptor of node %d: lookup failed (%s)", node, e)
+                return None
+            if desc is None or desc == used:
+                return None
+            self._cache[node] = desc
+            return desc
+
     def suspend(self, node: int) -> None:
         """A transfer from ``node`` failed: forget its descriptor and read nothing from it for a
         back-off of :data:`SUSPEND_MIN_S` seconds, doubled on each further failure up to

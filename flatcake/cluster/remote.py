@@ -6,8 +6,10 @@ Lifecycle of a remote read::
     pages from the cluster view (None where no node has the key)
       -> grouped by (owner node, medium), each group read from its owner
          (descriptor from the PeerDirectory; DRAM: RemoteDramReader, SSD: RemoteSsdReader)
-      -> an owner whose transfer failed is suspended for a back-off (its pages are misses without
-         a transfer); one that was silent or unknown has its descriptor looked up again
+      -> a failed transfer: the owner's descriptor is looked up again; changed (the owner
+         restarted) -> the group is read again once with the new one; else the owner is
+         suspended for a back-off (its pages are misses without a transfer); one that was
+         silent or unknown has its descriptor looked up again before the next read
       -> one RemoteReadResult: hit/miss per page, misses by cause
 
 Never raises for an I/O fault; a miss is a miss whatever its cause.
@@ -72,8 +74,12 @@ class RemoteReader:
                 res.misses["suspended"] = res.misses.get("suspended", 0) + len(idx)
                 continue
             whole = len(idx) == len(pages)  # one group in order: read straight into res.data
-            part = self._read_group(node, medium, [pages[i] for i in idx], layers, chunk_bytes,
-                                    res.data if whole else None)
+            group, desc = [pages[i] for i in idx], self.peers.get(node)
+            part = self._read_group(desc, medium, group, layers, chunk_bytes, res.data if whole else None)
+            if part.misses.get("failed"):  # the owner restarted (new descriptor)? then read again once
+                fresh = self.peers.replaced(node, desc)
+                if fresh is not None:
+                    part = self._read_group(fresh, medium, group, layers, chunk_bytes, res.data if whole else None)
             if whole:
                 res.hit[:] = part.hit
             else:
@@ -90,9 +96,8 @@ class RemoteReader:
                 self.peers.succeeded(node)
         return res
 
-    def _read_group(self, node: int, medium: int, pages: list, layers: int, chunk_bytes: int,
+    def _read_group(self, desc, medium: int, pages: list, layers: int, chunk_bytes: int,
                     out: Optional[np.ndarray]) -> RemoteReadResult:
-        desc = self.peers.get(node)
         if medium == MEDIUM_DRAM:
             return self.dram.read(desc, pages, layers, chunk_bytes, out)
         if medium == MEDIUM_SSD and self.ssd is not None:

@@ -241,3 +241,39 @@ def test_landing_pool_quarantines_failed_buffers_and_bounds_their_number(monkeyp
     assert pool.get() is None and pool.quarantined() == 2 and len(ep.registered) == 2
     now[0] = 61.0  # the oldest quarantine is over: `first` comes back, nothing new is registered
     assert pool.get() is first and pool.quarantined() == 1 and len(ep.registered) == 2
+
+
+def test_a_failed_read_from_an_owner_that_restarted_is_read_again_with_its_new_descriptor():
+    from flatcake.cluster.peers import PeerDirectory
+    from flatcake.cluster.remote import RemoteReader
+    from flatcake.cluster.transfer import RemoteReadResult
+
+    class ByEngine:  # only the restarted owner's engine (h5:2) answers
+        def __init__(self):
+            self.calls = []
+
+        def read(self, desc, pages, layers, chunk_bytes, out=None):
+            self.calls.append(desc.te)
+            res = RemoteReadResult.empty(len(pages), layers * chunk_bytes, out)
+            if desc.te == "h5:2":
+                res.data[:] = 0x7
+                res.hit[:] = True
+            else:
+                res.misses["failed"] = len(pages)
+            return res
+
+    s = _FakeSession()
+    s.kv[descriptor_key("/fc", 5)] = DataPlaneDescriptor(5, "h5:1").encode()
+    dram = ByEngine()
+    peers = PeerDirectory(s, "/fc")
+    r = RemoteReader(peers, dram)
+    pg = [RemotePage(5, encode_gva(MEDIUM_DRAM, 5, 0), 0, 8, None, "k")]
+    assert peers.get(5).te == "h5:1"  # cached
+    s.kv[descriptor_key("/fc", 5)] = DataPlaneDescriptor(5, "h5:2").encode()  # restarted, new engine
+    res = r.read(pg, 2, 8)
+    assert res.hit.tolist() == [True] and res.data[0].tolist() == [0x7] * 16
+    assert dram.calls == ["h5:1", "h5:2"] and not peers.suspended(5) and peers.get(5).te == "h5:2"
+    s.kv[descriptor_key("/fc", 5)] = DataPlaneDescriptor(5, "h5:1").encode()  # back to a dead engine
+    peers.invalidate(5)
+    assert r.read(pg, 2, 8).hit.tolist() == [False]
+    assert dram.calls == ["h5:1", "h5:2", "h5:1"] and peers.suspended(5)  # unchanged: back-off
