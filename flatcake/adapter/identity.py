@@ -152,6 +152,35 @@ def expand_ssd_paths(cfg: FlatCakeConfig, values: dict) -> FlatCakeConfig:
     return cfg.model_copy(update={"ssd": cfg.ssd.with_paths(expanded)})
 
 
+def rank_port_offset(sc, values: dict) -> int:
+    """This rank's offset from ``cluster.advertise``'s port: ``(dp_rank * pp_size + pp_rank) *
+    tp_size + tp_rank`` with the ranks of :func:`rank_values` (0 without an SGLang config), so
+    the TP/PP/DP ranks of one server, each a FlatCake with its own data plane, listen on distinct
+    ports of one host (docs/cluster.md, "Backend wiring")."""
+    if sc is None:
+        return 0
+    tp_size, pp_size = max(1, int(sc.tp_size or 1)), max(1, int(sc.pp_size or 1))
+    return (values["dp_rank"] * pp_size + values["pp_rank"]) * tp_size + values["tp_rank"]
+
+
+def expand_advertise(cfg: FlatCakeConfig, offset: int) -> FlatCakeConfig:
+    """``cfg`` with ``cluster.advertise``'s port raised by ``offset`` (:func:`rank_port_offset`);
+    ``cfg`` itself when the offset is 0 or no address is set.
+
+    Raises:
+        ConfigError: the port would pass 65535 (names ``cluster.advertise``).
+    """
+    adv = cfg.cluster.advertise
+    if not offset or not adv:
+        return cfg
+    host, _, port = adv.rpartition(":")
+    new_port = int(port) + offset
+    if new_port > 65535:
+        raise ConfigError(f"cluster.advertise: port {port} + rank offset {offset} is above 65535; "
+                          "choose a lower base port")
+    return cfg.model_copy(update={"cluster": cfg.cluster.model_copy(update={"advertise": f"{host}:{new_port}"})})
+
+
 def base_identity(sc, cfg: FlatCakeConfig, replica: Optional[int]) -> PoolIdentity:
     """Slot 0 of this process's identity (``ssd.pool_id`` when set)."""
     base = f"dp{dp_rank_of(sc, replica)}"

@@ -31,8 +31,8 @@ from flatcake.config import FlatCakeConfig, config_from_extra
 from flatcake.errorlog import ErrorLog
 from flatcake.layout import KvPageLayout, UnsupportedLayoutError
 from flatcake.adapter.v2 import HybridPoolsMixin, is_logical_anchor
-from flatcake.adapter.identity import (PoolIdentity, base_identity, dp_rank_of, expand_ssd_paths, open_pool, rank_values,
-                                       sglang_replica)
+from flatcake.adapter.identity import (PoolIdentity, base_identity, dp_rank_of, expand_advertise, expand_ssd_paths,
+                                       open_pool, rank_port_offset, rank_values, sglang_replica)
 from flatcake.adapter.cluster_hook import start_member, stop_member
 from flatcake.adapter.startup import check_file_bytes, default_path_warning, prefix_keys_warning, startup_line
 from flatcake.media.pool_dir import ensure_pool_dir
@@ -92,8 +92,10 @@ class FlatCakeStorage(HybridPoolsMixin, HiCacheStorage):
         #: the data-parallel replica SGLang spawned this process for (None: no DP controller)
         self.replica = sglang_replica()
         cfg = config_from_extra(storage_config.extra_config if storage_config else None)
-        # {tp_rank}/{pp_rank}/{dp_rank} in ssd.path filled for this rank (ConfigError naming ssd.path)
-        self.cfg: FlatCakeConfig = expand_ssd_paths(cfg, rank_values(storage_config, self.replica))
+        # {tp_rank}/{pp_rank}/{dp_rank} in ssd.path filled for this rank (ConfigError naming ssd.path);
+        # cluster.advertise's port + this rank's offset (one data plane per rank)
+        ranks = rank_values(storage_config, self.replica)
+        self.cfg: FlatCakeConfig = expand_advertise(expand_ssd_paths(cfg, ranks), rank_port_offset(storage_config, ranks))
         ensure_pool_dir(self.cfg.ssd.path)  # fail at construction, naming ssd.path
         #: this process's pool identity (:mod:`flatcake.adapter.identity`), once registered
         self.identity: Optional[PoolIdentity] = None
