@@ -218,6 +218,9 @@ def test_io_faults_are_misses_or_failed_puts_logged_once_and_writes_resume(ssd_d
     from flatcake.cio import engines
 
     monkeypatch.setattr(engines.os, "preadv", preadv)
+    from flatcake.cio import native_restore  # the Python pipeline: its reads go through os.preadv
+
+    monkeypatch.setitem(native_restore.LOOP.state, "fn", None)
     with caplog.at_level(logging.WARNING):
         for i, w in enumerate(["enospc", "enospc", "short", "short"]):
             mode["w"] = w

@@ -204,6 +204,9 @@ class PosixEngine(IoEngine):
         self._fds: list[dict[int, int]] = [{} for _ in range(workers)]
         self._forget: list[set[int]] = [set() for _ in range(workers)]
         self._forget_lock = threading.Lock()
+        self._shared: dict[int, int] = {}  # fds of the one-call restore (flatcake.cio.native_restore)
+        self._shared_stale: list[int] = []
+        self._shared_users = 0
         self._threads = [
             threading.Thread(target=self._run, args=(w,), name=f"fc-cio-io{w}", daemon=True)
             for w in range(workers)
@@ -222,11 +225,9 @@ class PosixEngine(IoEngine):
                     reason_of(e),
                 )
 
-    def _open(self, w: int, file_index: int) -> int:
-        fds = self._fds[w]
-        fd = fds.get(file_index)
-        if fd is not None:
-            return fd
+    def _open_fd(self, file_index: int) -> int:
+        """Open ``file_index`` for reading (O_DIRECT while it is on; EINVAL there turns it off)."""
+        fd = None
         path = self._path_of(file_index)
         flags = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
         if self.direct_io:
@@ -238,7 +239,13 @@ class PosixEngine(IoEngine):
                 self._disable_direct(path, e)
         if fd is None:
             fd = os.open(path, flags)
-        fds[file_index] = fd
+        return fd
+
+    def _open(self, w: int, file_index: int) -> int:
+        fds = self._fds[w]
+        fd = fds.get(file_index)
+        if fd is None:
+            fd = fds[file_index] = self._open_fd(file_index)
         return fd
 
     def _drop(self, w: int, file_index: int) -> None:
@@ -316,10 +323,61 @@ class PosixEngine(IoEngine):
         return pending
 
     def forget_file(self, file_index: int) -> None:
-        """Close every worker's cached fd of ``file_index`` before its next read."""
+        """Close every worker's cached fd of ``file_index`` before its next read (the shared
+        one once no one-call restore uses it)."""
         with self._forget_lock:
             for s in self._forget:
                 s.add(file_index)
+            fd = self._shared.pop(file_index, None)
+            if fd is not None:
+                self._shared_stale.append(fd)
+            self._close_stale_locked()
+
+    # -- one-call restores (flatcake.cio.native_restore) ----------------------------------
+    def path_of(self, file_index: int) -> str:
+        """Path of pool file ``file_index``."""
+        return self._path_of(file_index)
+
+    def shared_fds(self, file_indices) -> dict[int, tuple[int, int]]:
+        """Read descriptors for a one-call restore, shared by its threads (``pread`` is
+        positional): ``{file_index: (fd, 0)}``, or ``(-1, errno)`` for a file that did not open.
+        Pair with :meth:`release_shared`; a forgotten file's fd is closed only after every
+        restore holding it released it."""
+        out = {}
+        with self._forget_lock:
+            self._shared_users += 1
+            for fi in file_indices:
+                fd = self._shared.get(fi)
+                if fd is None:
+                    try:
+                        fd = self._shared[fi] = self._open_fd(fi)
+                    except OSError as e:
+                        out[fi] = (-1, e.errno or errno_mod.EIO)
+                        continue
+                out[fi] = (fd, 0)
+        return out
+
+    def release_shared(self, refuse_direct: bool = False) -> None:
+        """End of a one-call restore's use of :meth:`shared_fds`. ``refuse_direct``: a read
+        was refused with EINVAL under O_DIRECT: switch to buffered reads (logged once) and drop
+        the shared fds so the next opens are buffered."""
+        if refuse_direct and self.direct_io:
+            self._disable_direct(self._path_of(0), OSError(errno_mod.EINVAL, "O_DIRECT read refused"))
+            with self._forget_lock:
+                for s in self._forget:
+                    s.update(self._shared)
+        with self._forget_lock:
+            self._shared_users -= 1
+            if refuse_direct:
+                self._shared_stale.extend(self._shared.values())
+                self._shared.clear()
+            self._close_stale_locked()
+
+    def _close_stale_locked(self) -> None:
+        if self._shared_users == 0:
+            for fd in self._shared_stale:
+                os.close(fd)
+            self._shared_stale.clear()
 
     def close(self) -> None:
         """Stop the worker threads (after queued reads) and close all fds."""
@@ -327,3 +385,7 @@ class PosixEngine(IoEngine):
             q.put(None)
         for t in self._threads:
             t.join(timeout=30)
+        with self._forget_lock:
+            self._shared_stale.extend(self._shared.values())
+            self._shared.clear()
+            self._close_stale_locked()

@@ -48,6 +48,7 @@ from flatcake.align import ALIGN, align_up
 from flatcake.cio.batch import StagingBatch, verify_chunks, verify_chunks_device
 from flatcake.cio.engines import IoEngine, PosixEngine
 from flatcake.cio.kvikio_engine import EngineUnavailableError, KvikioEngine, select_engine
+from flatcake.cio.native_restore import NativeRestore
 from flatcake.cio.plan import ChunkBatch, MergedRead, batch_reads, plan_reads
 from flatcake.cio.staging import StagingPool, StagingWindow
 from flatcake.config import STORAGE_BATCH_PAGES, CioConfig
@@ -198,13 +199,14 @@ class RestoreEngine:
             self._engine.close()
             raise
         self.scatter_impl = resolve_impl(cfg.scatter, self.device)
-        # POSIX workers verify + scatter the chunks of the piece they just read (host staging,
-        # torch/numpy copies: thread-safe, GIL released); otherwise the restore thread does it.
+        # POSIX workers verify + scatter the chunks of the piece they just read (else the caller)
         self.worker_scatter = self.engine_name == "posix" and self.scatter_impl == "torch"
         # Those scatters run on a small pool (not in the I/O threads), so an I/O worker starts its
         # next read at once instead of after copying the piece it just read.
         self._scatter_pool = ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1)),
                                                 thread_name_prefix="fc-cio-scatter")
+        # one GIL-free C call per restore where it applies (flatcake.cio.native_restore)
+        self._native = NativeRestore(self, self._engine) if self.worker_scatter and self.device.type == "cpu" else None
         self._streams = None
         if self.device.type == "cuda":
             self._streams = [torch.cuda.Stream(self.device) for _ in range(cfg.windows)]
@@ -297,6 +299,10 @@ class RestoreEngine:
         self._check(chunks, layout)
         if not len(chunks):
             return RestoreReport(frozenset(), 0, 0, 0, 0, 0, 0.0, self.engine_name)
+        if scatter and self._native is not None and self.worker_scatter and not self.verify_in_place:
+            rep = self._native.restore(chunks, layout)
+            if rep is not None:
+                return rep
         plan = plan_reads(chunks, gap_bytes=self.cfg.gap_bytes, max_io_bytes=self.max_io_bytes)
         batches = batch_reads(plan.reads, self.staging_bytes)
         t_wait = time.perf_counter()

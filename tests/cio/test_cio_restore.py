@@ -16,11 +16,20 @@ from cio_util import (LAYERS, chunk_batch, concat, extent_chunks, kv_bytes, make
 from flatcake.cio import ChunkBatch, EngineUnavailableError, RestoreEngine, auto_staging_bytes
 from flatcake.cio import engines as engines_mod
 from flatcake.cio import kvikio_engine as kvikio_mod
+from flatcake.cio import native_restore
 from flatcake.cio.restore import MIN_AUTO_STAGING_BYTES
 from flatcake.config import CioConfig
 from flatcake.kernels.scatter import triton_available
 
 N = 16  # pages per extent
+
+
+@pytest.fixture
+def python_pipeline(monkeypatch):
+    """Restores take the Python pipeline (per-piece worker threads), whose reads go through
+    ``os.preadv``: the seam these tests inject faults at or count calls on. The one-call C
+    restore (the default) is covered by tests/cio/test_cio_native_restore.py."""
+    monkeypatch.setitem(native_restore.LOOP.state, "fn", None)
 
 
 def engine(d, cb, direct_io=True, **cfg):
@@ -78,7 +87,7 @@ def test_missing_file_in_the_middle_fails_exactly_that_page(ext4_dir, caplog):
     assert rep.merged_reads == 1 + LAYERS  # file 0 coalesced; file 9 one read per layer
 
 
-def test_eio_on_one_read_fails_only_the_chunks_it_covers(ext4_dir, monkeypatch):
+def test_eio_on_one_read_fails_only_the_chunks_it_covers(ext4_dir, monkeypatch, python_pipeline):
     pool, lay = make_pool("mla", "page_first", pages=N)
     cb = lay.geometry.chunk_bytes  # 192 B
     data = write_extent(os.path.join(ext4_dir, "f0"), N, LAYERS, cb, seed=4)
@@ -203,7 +212,7 @@ def test_restore_waits_for_a_busy_window_instead_of_failing(ext4_dir):
     assert torch.equal(kv_bytes(pool), reference("mla", "layer_first", N, data, chunks))
 
 
-def test_o_direct_reads_are_4k_aligned_on_ext4(ext4_dir, monkeypatch):
+def test_o_direct_reads_are_4k_aligned_on_ext4(ext4_dir, monkeypatch, python_pipeline):
     pool, lay = make_pool("mha", "page_first", pages=N)
     cb = lay.geometry.chunk_bytes
     data = write_extent(os.path.join(ext4_dir, "f0"), N, LAYERS, cb, seed=13, base=1000, tail=77)
@@ -299,11 +308,13 @@ def test_auto_staging_size_alignment_and_empty_restore(ext4_dir):
         RestoreEngine(CioConfig(staging_bytes=4096), path_fn(ext4_dir), direct_io=False, chunk_bytes=4096)
 
 
-@pytest.mark.parametrize("cut_piece", [None, 1])
-def test_chunks_straddling_two_io_pieces_need_both_pieces(ext4_dir, monkeypatch, cut_piece):
+@pytest.mark.parametrize("cut_piece,native", [(None, True), (None, False), (1, False)])
+def test_chunks_straddling_two_io_pieces_need_both_pieces(ext4_dir, monkeypatch, cut_piece, native):
     # 4 KiB pieces and 192-byte chunks at an odd base: many chunks straddle two pieces, so both the
     # worker-side (chunk inside one piece) and the restore-side (straddling) paths run
     monkeypatch.setattr(engines_mod, "MIN_PIECE_BYTES", 4096)
+    if not native:  # the fault is injected at os.preadv, which only the Python pipeline calls
+        monkeypatch.setitem(native_restore.LOOP.state, "fn", None)
     pool, lay = make_pool("mla", "page_first", pages=N)
     cb = lay.geometry.chunk_bytes
     data = write_extent(os.path.join(ext4_dir, "f0"), N, LAYERS, cb, seed=21, base=1000)

@@ -1,0 +1,217 @@
+"""A whole FC-CIO restore in one GIL-free call (paper §3.3; issue 11, docs/performance.md).
+
+The Python pipeline of :class:`~flatcake.cio.restore.RestoreEngine` gives the GIL up and takes
+it back a few times per 8 MiB I/O piece: the I/O worker wakes from its queue, returns from
+``preadv``, hands the piece to the scatter pool, whose thread wakes, returns from the xxh3 call
+and from each plane copy, and the caller wakes to collect each batch. Next to a thread burning
+Python CPU (SGLang's scheduler loop) each take-back can wait a whole switch interval
+(``sys.getswitchinterval()``, 5 ms), so a 256 MiB restore that made ~270 such steps ran at a
+fifth of its speed. Here the plan is made in Python once per call, and then one :mod:`ctypes`
+call (which releases the GIL) reads every piece from ``io_workers`` POSIX threads into the
+window's two staging buffers, verifies each chunk's xxh3-64 and copies its planes into the
+page slots (:mod:`flatcake.cio.native_restore_c`): one GIL hand-off per call.
+
+Same guarantees as the Python pipeline: a chunk is copied only if every byte of it was read by
+this call and, when it carries a checksum and ``cio.verify_checksums`` is on, its xxh3-64 (the
+python-xxhash library's own ``XXH3_64bits``) matches; a failed chunk's slots are untouched and
+its tag reported; I/O errors are logged once with their errno. Used for the POSIX engine on
+host staging with host layouts whose token rows are contiguous; anything else (kvikio, CUDA
+staging, reads-only mode, an O_DIRECT refusal at read time, no C compiler,
+``FLATCAKE_NATIVE_RESTORE=0``) takes the Python pipeline.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno as errno_mod
+import time
+from typing import Optional
+
+import numpy as np
+
+from flatcake.cio.batch import StagingBatch
+from flatcake.cio.native_restore_c import SOURCE
+from flatcake.cio.plan import ChunkBatch, batch_reads, plan_reads
+from flatcake.native_loop import NativeLoop, compile_shim
+
+_I64 = ctypes.c_int64
+_P = ctypes.c_void_p
+
+
+def _build():
+    """``(fn, "")`` with ``fn(*args)`` the bound ``fc_restore_run`` (xxh3 address first), or
+    ``(None, why)``."""
+    try:
+        import xxhash._xxhash as ext
+
+        addr = ctypes.cast(ctypes.CDLL(ext.__file__).XXH3_64bits, ctypes.c_void_p).value
+    except (ImportError, OSError, AttributeError) as e:
+        return None, f"xxhash extension does not export XXH3_64bits ({e})"
+    lib, why = compile_shim(SOURCE, "restore", (("-O2", "-pthread"), ("-O2",)))
+    if lib is None:
+        return None, why
+    fn = lib.fc_restore_run
+    fn.argtypes = [_P, _I64, _I64, _I64] + [_P] * 7 + [_I64] + [_P] * 8 + [_I64, _I64, _I64] + [_P] * 7
+    fn.restype = _I64
+    return (lambda *a: fn(addr, *a)), ""  # the closure keeps the library loaded
+
+
+#: the C restore (``FLATCAKE_NATIVE_RESTORE=0`` turns it off)
+LOOP = NativeLoop(_build, "FLATCAKE_NATIVE_RESTORE", "FC-CIO restore: Python pipeline (per-piece threads)")
+
+
+def _a(x: np.ndarray) -> int:
+    return x.ctypes.data
+
+
+def dst_table(layout) -> Optional[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """Per (layer, plane) destination of a CPU layout: base address, page stride and token-row
+    stride in bytes (int64 ``[layers, planes]`` each), or ``None`` when a plane's rows are not
+    contiguous bytes (then the Python pipeline copies)."""
+    g = layout.geometry
+    L, J = g.layers, len(g.plane_row_bytes)
+    base, s0, s1 = (np.empty((L, J), dtype=np.int64) for _ in range(3))
+    for layer in range(L):
+        for q, (t, rb) in enumerate(zip(layout.layer_planes(layer), g.plane_row_bytes)):
+            if t.device.type != "cpu" or t.dim() != 3 or t.stride(2) != 1 or t.shape[2] != rb:
+                return None
+            base[layer, q], s0[layer, q], s1[layer, q] = t.data_ptr(), t.stride(0), t.stride(1)
+    return base, s0, s1
+
+
+class NativeRestore:
+    """Runs :meth:`RestoreEngine.restore` calls as one C call each (see the module docstring).
+
+    Args:
+        engine: the :class:`~flatcake.cio.restore.RestoreEngine` (config, staging, errors).
+        posix: its :class:`~flatcake.cio.engines.PosixEngine` (shared read descriptors).
+    """
+
+    def __init__(self, engine, posix):
+        self.engine = engine
+        self.posix = posix
+        LOOP.fn()  # compiled here, at start-up (~0.1 s once per process), not in the first restore
+
+    def restore(self, chunks: ChunkBatch, layout):
+        """One restore call (arguments already checked); returns a
+        :class:`~flatcake.cio.restore.RestoreReport`, or ``None`` when this call must take the
+        Python pipeline (nothing was delivered that it would not deliver again, bit for bit)."""
+        from flatcake.cio.restore import RestoreReport
+
+        eng, fn = self.engine, LOOP.fn()
+        table = dst_table(layout) if fn is not None else None
+        if table is None:
+            return None
+        plan = plan_reads(chunks, gap_bytes=eng.cfg.gap_bytes, max_io_bytes=eng.max_io_bytes)
+        batches = batch_reads(plan.reads, eng.staging_bytes)
+        t_wait = time.perf_counter()
+        win = eng.staging.acquire()
+        t0 = time.perf_counter()
+        refused = False
+        try:
+            sts = [StagingBatch.build(b, win.buffers[i % 2], layout, eng.chunk_bytes, eng.cfg.io_workers, owned=True)
+                   for i, b in enumerate(batches)]
+            run = self._arrays(sts, chunks, table)
+            fds = self.posix.shared_fds(np.unique(run["pfile"]).tolist())
+            try:
+                pfd = np.array([fds[fi][0] for fi in run["pfile"].tolist()], dtype=np.int64)
+                fn(int(self.posix.direct_io), max(1, min(eng.cfg.io_workers, len(pfd))), len(pfd), _a(pfd),
+                   *(_a(run[k]) for k in ("poff", "plen", "paddr", "pbatch", "pgot", "perr")), len(sts),
+                   *(_a(run[k]) for k in ("own_lo", "rest_lo", "rest_hi", "csrc", "ck0", "ck1", "cwant", "chas")),
+                   eng.chunk_bytes, table[0].shape[1], layout.geometry.page_size,
+                   *(_a(run[k]) for k in ("plane_off", "plane_rb", "cdst", "crs", "cstatus", "left", "done")))
+                refused = bool((run["perr"] == errno_mod.EINVAL).any()) and self.posix.direct_io
+            finally:
+                self.posix.release_shared(refuse_direct=refused)
+        finally:
+            eng.staging.release(win)
+        t1 = time.perf_counter()
+        if refused:  # O_DIRECT refused at read time: buffered from now on; this call again in Python
+            return None
+        for k, fi in enumerate(run["pfile"].tolist()):  # a file that did not open: its own errno
+            if fds[fi][0] < 0:
+                run["perr"][k] = fds[fi][1]
+        failed = self._failures(run, chunks)
+        return RestoreReport(failed_tags=frozenset(failed), pages=plan.pages, chunks=plan.chunks,
+                             merged_reads=len(plan.reads), bytes_read=plan.bytes_read,
+                             bytes_over_read=plan.bytes_over_read, read_s=t1 - t0, engine=eng.engine_name,
+                             wait_s=t0 - t_wait, batches=len(batches), io_requests=len(pfd))
+
+    def _arrays(self, sts: list, chunks: ChunkBatch, table) -> dict:
+        """The C call's arrays: pieces in order, then chunks (every batch's owned chunks grouped
+        by piece, then every batch's straddling chunks), with destinations and checksums."""
+        eng = self.engine
+        pieces = [p for st in sts for p in st.pieces]
+        r = {"pfile": np.fromiter((p.file_index for p in pieces), np.int64, len(pieces)),
+             "poff": np.fromiter((p.offset for p in pieces), np.int64, len(pieces)),
+             "plen": np.fromiter((p.nbytes for p in pieces), np.int64, len(pieces)),
+             "pbatch": np.repeat(np.arange(len(sts), dtype=np.int64), [len(st.pieces) for st in sts])}
+        base = np.repeat(np.array([st.buf.tensor.data_ptr() for st in sts], dtype=np.int64),
+                         [len(st.pieces) for st in sts])
+        r["paddr"] = base + np.concatenate([st.piece_start for st in sts])
+        kb = np.cumsum([0] + [len(st.pieces) for st in sts])
+        own_src, own_idx, own_k, own_lo, rest_src, rest_idx, rk0, rk1, n_rest = [], [], [], [], [], [], [], [], []
+        n_own = 0
+        for b, st in enumerate(sts):
+            addr = st.buf.tensor.data_ptr()
+            own_src.append(st.own_b0 + addr)
+            own_idx.append(st.own_idx)
+            own_lo.append(st.own_lo[:-1] + n_own)
+            n_own += st.own_idx.shape[0]
+            n_r = 0 if st.rest_idx is None else st.rest_idx.shape[0]
+            n_rest.append(n_r)
+            if n_r:
+                rest_src.append(st.rest_b0 + addr)
+                rest_idx.append(st.rest_idx)
+                rk0.append(st.rest_k0 + kb[b])
+                rk1.append(st.rest_k1 + kb[b])
+        own_k = np.repeat(np.arange(len(pieces), dtype=np.int64), np.diff(np.concatenate(own_lo + [[n_own]])))
+        r["own_lo"] = np.concatenate(own_lo + [np.array([n_own], dtype=np.int64)]).astype(np.int64)
+        r["rest_lo"] = n_own + np.cumsum([0] + n_rest[:-1]).astype(np.int64)
+        r["rest_hi"] = r["rest_lo"] + np.array(n_rest, dtype=np.int64)
+        cat = (lambda xs: np.concatenate(xs).astype(np.int64) if xs else np.empty(0, np.int64))  # noqa: E731
+        r["csrc"] = cat(own_src + rest_src)
+        r["cidx"] = idx = cat(own_idx + rest_idx)
+        r["ck0"] = np.concatenate([own_k, cat(rk0)])
+        r["ck1"] = np.concatenate([own_k, cat(rk1)])
+        r["cwant"] = np.ascontiguousarray(chunks.checksum[idx], dtype=np.uint64)
+        r["chas"] = (chunks.has_checksum[idx] & bool(eng.cfg.verify_checksums)).astype(np.uint8)
+        tb, ts0, ts1 = table
+        lay, page = chunks.layer[idx], chunks.page[idx]
+        r["cdst"] = np.ascontiguousarray(tb[lay] + page[:, None] * ts0[lay])
+        r["crs"] = np.ascontiguousarray(ts1[lay])
+        geo = sts[0].layout.geometry
+        r["plane_off"] = np.array(geo.plane_offsets(), dtype=np.int64)
+        r["plane_rb"] = np.array(geo.plane_row_bytes, dtype=np.int64)
+        r["cstatus"] = np.full(idx.shape[0], 1, dtype=np.uint8)
+        r["pgot"] = np.zeros(len(pieces), dtype=np.int64)
+        r["perr"] = np.zeros(len(pieces), dtype=np.int64)
+        r["left"] = np.array([len(st.pieces) for st in sts], dtype=np.int64)
+        r["done"] = np.zeros(len(sts), dtype=np.uint8)
+        return r
+
+    def _failures(self, run: dict, chunks: ChunkBatch) -> list[int]:
+        """Tags of the chunks not delivered; each I/O error, short chunk and checksum mismatch
+        reported to the error-once log (loops only over failures)."""
+        eng = self.engine
+        for k in np.flatnonzero(run["perr"] > 0).tolist():
+            e = int(run["perr"][k])
+            path = self.posix.path_of(int(run["pfile"][k]))
+            eng.errors.report("read", errno_mod.errorcode.get(e, str(e)),
+                              f"{path} @ {int(run['poff'][k]) + int(run['pgot'][k])}: {e}")
+        st, idx = run["cstatus"], run["cidx"]
+        bad = np.flatnonzero(st != 0)
+        if not bad.shape[0]:
+            return []
+        for c in bad.tolist():
+            i = int(idx[c])
+            if st[c] == 2:
+                eng.errors.report("verify", "checksum", f"chunk tag {int(chunks.tag[i])} (file "
+                                  f"{int(chunks.file_index[i])} @ {int(chunks.offset[i])})")
+            elif (run["perr"][int(run["ck0"][c]): int(run["ck1"][c]) + 1] == -1).any():
+                eng.errors.report("read", "short read", f"file {int(chunks.file_index[i])} ends before byte "
+                                  f"{int(chunks.offset[i]) + eng.chunk_bytes} (chunk tag {int(chunks.tag[i])})")
+        return chunks.tag[idx[bad]].tolist()
+
+
+__all__ = ["LOOP", "NativeRestore", "dst_table"]

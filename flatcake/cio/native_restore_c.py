@@ -1,0 +1,125 @@
+"""C source of the one-call FC-CIO restore (:mod:`flatcake.cio.native_restore`, paper §3.3).
+
+One call reads every I/O piece of a restore (``pread`` from ``nthreads`` POSIX threads into
+the two staging buffers of a window), verifies each chunk's xxh3-64 (python-xxhash's own
+``XXH3_64bits``, passed in by address) and copies its planes into the page slots, all without
+the GIL. A thread that read a piece verifies and scatters the chunks lying wholly in it; the
+thread that finishes a batch's last piece handles the chunks straddling two of its pieces. The
+pieces of batch ``b`` start only after batch ``b - 2`` (same buffer) is wholly scattered.
+
+Chunk status out: 0 delivered, 1 not fully read (short read, EOF, I/O error), 2 checksum
+mismatch. Piece errors out: 0, an errno, or -1 for end of file.
+"""
+
+SOURCE = r"""
+#include <stdint.h>
+#include <string.h>
+#include <errno.h>
+#include <pthread.h>
+#include <unistd.h>
+
+typedef uint64_t (*xxh3_fn)(const void *, size_t);
+
+typedef struct {
+    xxh3_fn h; int64_t direct;
+    int64_t np; const int64_t *pfd, *poff, *plen, *paddr, *pbatch; int64_t *pgot, *perr;
+    int64_t nb; const int64_t *own_lo;  /* [np+1]: owned chunks of piece k */
+    const int64_t *rest_lo, *rest_hi;   /* [nb]: straddling chunks of batch b (after its owned) */
+    const int64_t *csrc, *ck0, *ck1; const uint64_t *cwant; const uint8_t *chas;
+    int64_t cb, J, P; const int64_t *plane_off, *plane_rb, *cdst, *crs;
+    uint8_t *cstatus;
+    int64_t next; int64_t *left; uint8_t *done;
+    pthread_mutex_t mu; pthread_cond_t cv;
+} job_t;
+
+static void read_piece(job_t *j, int64_t k) {
+    uint8_t *buf = (uint8_t *)(intptr_t)j->paddr[k];
+    int64_t want = j->plen[k], got = 0, err = 0;
+    while (got < want) {
+        ssize_t r = pread((int)j->pfd[k], buf + got, (size_t)(want - got), (off_t)(j->poff[k] + got));
+        if (r < 0) { if (errno == EINTR) continue; err = errno; break; }
+        if (r == 0) break;
+        got += r;
+        if (got < want && (r % 4096) && j->direct) break;  /* unaligned short count: EOF */
+    }
+    if (!err && got < want) err = -1;
+    j->pgot[k] = got; j->perr[k] = err;
+}
+
+static void deliver(job_t *j, int64_t c) {
+    const uint8_t *src = (const uint8_t *)(intptr_t)j->csrc[c];
+    if (j->chas[c] && j->h(src, (size_t)j->cb) != j->cwant[c]) { j->cstatus[c] = 2; return; }
+    for (int64_t q = 0; q < j->J; q++) {
+        const uint8_t *s = src + j->plane_off[q];
+        uint8_t *d = (uint8_t *)(intptr_t)j->cdst[c * j->J + q];
+        int64_t rb = j->plane_rb[q], rs = j->crs[c * j->J + q];
+        if (rs == rb) { memcpy(d, s, (size_t)(rb * j->P)); continue; }
+        for (int64_t r = 0; r < j->P; r++) memcpy(d + r * rs, s + r * rb, (size_t)rb);
+    }
+    j->cstatus[c] = 0;
+}
+
+static int64_t valid_end(job_t *j, int64_t k) { return j->paddr[k] + j->pgot[k]; }
+
+static void owned(job_t *j, int64_t k) {
+    for (int64_t c = j->own_lo[k]; c < j->own_lo[k + 1]; c++) {
+        if (j->csrc[c] + j->cb > valid_end(j, k)) { j->cstatus[c] = 1; continue; }
+        deliver(j, c);
+    }
+}
+
+static void rest(job_t *j, int64_t b) {
+    for (int64_t c = j->rest_lo[b]; c < j->rest_hi[b]; c++) {
+        int ok = 1;
+        for (int64_t k = j->ck0[c]; k < j->ck1[c]; k++) if (j->pgot[k] < j->plen[k]) ok = 0;
+        if (!ok || j->csrc[c] + j->cb > valid_end(j, j->ck1[c])) { j->cstatus[c] = 1; continue; }
+        deliver(j, c);
+    }
+}
+
+static void *worker(void *arg) {
+    job_t *j = (job_t *)arg;
+    pthread_mutex_lock(&j->mu);
+    while (j->next < j->np) {
+        int64_t k = j->next, b = j->pbatch[k];
+        if (b >= 2 && !j->done[b - 2]) { pthread_cond_wait(&j->cv, &j->mu); continue; }
+        j->next++;
+        pthread_mutex_unlock(&j->mu);
+        read_piece(j, k);
+        owned(j, k);
+        pthread_mutex_lock(&j->mu);
+        if (--j->left[b] == 0) {
+            pthread_mutex_unlock(&j->mu);
+            rest(j, b);
+            pthread_mutex_lock(&j->mu);
+            j->done[b] = 1;
+            pthread_cond_broadcast(&j->cv);
+        }
+    }
+    pthread_mutex_unlock(&j->mu);
+    return 0;
+}
+
+int64_t fc_restore_run(void *h, int64_t direct, int64_t nthreads,
+                       int64_t np, const int64_t *pfd, const int64_t *poff, const int64_t *plen,
+                       const int64_t *paddr, const int64_t *pbatch, int64_t *pgot, int64_t *perr,
+                       int64_t nb, const int64_t *own_lo, const int64_t *rest_lo, const int64_t *rest_hi,
+                       const int64_t *csrc, const int64_t *ck0, const int64_t *ck1,
+                       const uint64_t *cwant, const uint8_t *chas,
+                       int64_t cb, int64_t J, int64_t P, const int64_t *plane_off, const int64_t *plane_rb,
+                       const int64_t *cdst, const int64_t *crs, uint8_t *cstatus,
+                       int64_t *left, uint8_t *done) {
+    job_t j = {(xxh3_fn)h, direct, np, pfd, poff, plen, paddr, pbatch, pgot, perr, nb, own_lo, rest_lo, rest_hi,
+               csrc, ck0, ck1, cwant, chas, cb, J, P, plane_off, plane_rb, cdst, crs, cstatus, 0, left, done};
+    pthread_mutex_init(&j.mu, 0);
+    pthread_cond_init(&j.cv, 0);
+    pthread_t th[64];
+    int64_t n = nthreads < 1 ? 1 : (nthreads > 64 ? 64 : nthreads), started = 0;
+    for (int64_t t = 1; t < n; t++) if (pthread_create(&th[started], 0, worker, &j) == 0) started++;
+    worker(&j);  /* the calling thread works too */
+    for (int64_t t = 0; t < started; t++) pthread_join(th[t], 0);
+    pthread_mutex_destroy(&j.mu);
+    pthread_cond_destroy(&j.cv);
+    return 0;
+}
+"""
