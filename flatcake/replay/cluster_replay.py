@@ -7,9 +7,8 @@ cache (:mod:`flatcake.replay.node_agent`) — in its own process and network nam
 the trace's requests in arrival order, one at a time, to one node each:
 
 * ``affinity``: every request of a conversation to node ``xxh64(conversation) mod N`` (a hash,
-  not least-loaded: the same conversation always lands on the same node, across runs too). The
-  conversation is the WEKA conversation id; a Mooncake trace has no session ids, so there it is
-  the request's first block id (requests sharing their first block share a prefix).
+  not least-loaded: the same conversation always lands on the same node, across runs too;
+  :func:`conversations` says what a conversation is in each trace format).
 * ``round-robin``: request ``i`` (arrival order) to node ``i mod N``.
 
 The same trace is replayed twice in one command, on fresh nodes each time: ``cluster`` (the nodes
@@ -26,6 +25,7 @@ import argparse
 import csv
 import dataclasses
 import json
+import os
 import select
 import shutil
 import subprocess
@@ -83,12 +83,15 @@ def check_request(args: argparse.Namespace, profile: ModelProfile) -> None:
         raise ValueError("--nodes replays FlatCake nodes only: drop --systems or pass --systems flatcake")
 
 
-def conversation(req: TraceRequest) -> str:
-    """The conversation a request belongs to: the WEKA conversation id, or for a Mooncake trace
-    (no session ids) its namespace and first block id."""
-    if req.namespace.startswith("weka:") or not req.block_ids:
-        return req.session
-    return f"{req.namespace}/{req.block_ids[0]}"
+def conversations(reqs: list[TraceRequest]) -> list[str]:
+    """The conversation of every request: the WEKA conversation id; a Mooncake trace has no
+    session ids, so there it is the first block after the prefix every request of the trace
+    shares (its system prompt): a later turn repeats its conversation's earlier blocks, so all
+    turns of one conversation share that block."""
+    mc = [r.block_ids for r in reqs if not r.namespace.startswith("weka:")]
+    shared = len(os.path.commonprefix(mc)) if mc else 0
+    return [r.session if r.namespace.startswith("weka:") or not r.block_ids
+            else f"{r.namespace}/{r.block_ids[min(shared, len(r.block_ids) - 1)]}" for r in reqs]
 
 
 def route(reqs: list[TraceRequest], nodes: int, router: str) -> list[int]:
@@ -100,7 +103,7 @@ def route(reqs: list[TraceRequest], nodes: int, router: str) -> list[int]:
     if router == "round-robin":
         return [i % nodes for i in range(len(reqs))]
     if router == "affinity":
-        return [xxhash.xxh64_intdigest(conversation(r).encode()) % nodes for r in reqs]
+        return [xxhash.xxh64_intdigest(c.encode()) % nodes for c in conversations(reqs)]
     raise ValueError(f"--router: {router!r} (one of {', '.join(ROUTERS)})")
 
 

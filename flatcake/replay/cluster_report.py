@@ -75,7 +75,7 @@ def mode_summary(run: dict, profile: ModelProfile, nodes: int) -> dict[str, Any]
 def cluster_summary(runs: dict, reqs: list, keys: list, profile: ModelProfile, nodes: int, router: str,
                     settings: dict) -> dict[str, Any]:
     """The whole summary: trace, routing, each mode, and ``gain`` (cluster over isolated)."""
-    from flatcake.replay.cluster_replay import conversation
+    from flatcake.replay.cluster_replay import conversations
 
     hits, total = ideal_hit_rate(keys)
     modes = {m: mode_summary(run, profile, nodes) for m, run in runs.items()}
@@ -85,7 +85,7 @@ def cluster_summary(runs: dict, reqs: list, keys: list, profile: ModelProfile, n
         "date_utc": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "trace": os.path.normpath(str(settings["trace"])),
         "requests": len(reqs),
-        "conversations": len({conversation(r) for r in reqs}),
+        "conversations": len(set(conversations(reqs))),
         "nodes": nodes,
         "router": router,
         "requests_per_node": [node_of.count(n) for n in range(nodes)],

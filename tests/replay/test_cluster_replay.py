@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from flatcake.replay import cli, cluster_replay
-from flatcake.replay.cluster_replay import conversation, node_keys, route
+from flatcake.replay.cluster_replay import conversations, node_keys, route
 from flatcake.replay.traces import load_trace
 from replay_fixtures import FIXTURES
 
@@ -42,13 +42,23 @@ def config(tmp_path) -> Path:
 
 def test_round_robin_alternates_and_affinity_keeps_a_conversation_on_one_node():
     reqs = load_trace(TRACE)
-    assert [conversation(r) for r in reqs] == [f"mooncake:two_conversations_4turns/{b}" for b in [100] * 4 + [200] * 4]
+    assert conversations(reqs) == [f"mooncake:two_conversations_4turns/{b}" for b in [100] * 4 + [200] * 4]
     assert route(reqs, 2, "round-robin") == [0, 1, 0, 1, 0, 1, 0, 1]
     aff = route(reqs, 2, "affinity")
     assert len(set(aff[:4])) == 1 and len(set(aff[4:])) == 1
     assert route(reqs, 3, "affinity") == route(reqs, 3, "affinity")  # a hash: the same every run
     with pytest.raises(ValueError, match="router"):
         route(reqs, 2, "random")
+
+
+def test_mooncake_conversations_start_after_the_prefix_every_request_shares():
+    from flatcake.replay.traces import TraceRequest
+
+    def req(ids):
+        return TraceRequest(0.0, "mooncake:t", "request-0", tuple(ids), 512, 512 * len(ids), 1)
+
+    reqs = [req([0, 1, 7]), req([0, 1, 9]), req([0, 1, 7, 8]), req([0, 1])]
+    assert conversations(reqs) == ["mooncake:t/7", "mooncake:t/9", "mooncake:t/7", "mooncake:t/1"]
 
 
 def test_node_keys_cluster_mode_sets_the_section_isolated_mode_has_none():
