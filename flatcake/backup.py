@@ -80,6 +80,9 @@ class Backup:
         self.queue: Optional[WriteQueue] = None  # ssd.write_backlog_bytes > 0: SSD rounds are deferred
         self.backlog_wait_s = 0.0
         self.node = 0
+        #: ``fn(keys, src_pages, layout, parent) -> pages stored elsewhere``, asked for a round
+        #: no local space holds (cluster write-time placement, ``docs/cluster.md``); None = off
+        self.overflow = None
 
     def attach_queue(self, queue: WriteQueue, backlog_wait_s: float, node: int) -> None:
         """Defer SSD rounds through ``queue`` (``docs/design.md``, "Write queue"); a round of a
@@ -164,12 +167,27 @@ class Backup:
             if first < h:
                 return first
             return first + self._put_round(keys[h:], src_pages[h:], layout, keys[h - 1], context_tokens)
-        if plc is None:
+        if plc is None:  # no space, even after the local policy reclaimed what it could
+            placed = self._overflow(keys, src_pages, layout, parent)
+            if placed:
+                return placed
             self.stats.add(put_failures=1)
             return 0
         if self.queue is not None and plc.slots is None:
             return self._put_deferred(plc, layout, parent, context_tokens)
         return self._write_and_commit(plc, lambda: self.writer.write(plc, layout), parent)
+
+    def _overflow(self, keys, src_pages, layout, parent) -> int:
+        """Pages of a round without local space that :attr:`overflow` stored on another node
+        (all or 0); 0 without one. Never raises."""
+        fn = self.overflow
+        if fn is None:
+            return 0
+        try:
+            return len(keys) if fn(keys, src_pages, layout, parent) == len(keys) else 0
+        except Exception as e:  # noqa: BLE001 - a failed placement is a failed put
+            self.errors("remote placement", e)
+            return 0
 
     def _write_and_commit(self, plc, write, parent, op: str = "write") -> int:
         """Write round ``plc`` (``write()`` returns its entries), then commit it; on a fault or

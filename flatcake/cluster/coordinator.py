@@ -146,6 +146,19 @@ class CapacityCoordinator:
             raw = self.session.get(capacity_key(self.prefix, node))
         return None if raw is None else Capacity.decode(raw)
 
+    def capacities(self) -> list[Capacity]:
+        """Every node's last published capacity (one range read of ``P/capacity/``), in node
+        order; undecodable records are skipped. Raises EtcdUnavailable when etcd does not answer."""
+        with self._lock:
+            _rev, kvs = self.session.range_prefix(f"{self.prefix}/capacity/")
+        out = []
+        for _k, v, _kv in kvs:
+            try:
+                out.append(Capacity.decode(v))
+            except (ValueError, KeyError, TypeError):
+                continue
+        return out
+
     def reserved_bytes(self, target: int, medium: int) -> int:
         """Bytes of ``target``'s medium reserved now, by every node."""
         with self._lock:

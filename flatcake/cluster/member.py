@@ -35,6 +35,7 @@ from flatcake.cio.pagecopy import scatter_pages
 from flatcake.cluster.coordinator import Capacity
 from flatcake.cluster.dataplane import DataPlane
 from flatcake.cluster.node import ClusterNode
+from flatcake.cluster.placement import start_placement, stop_placement
 from flatcake.cluster.remote_dram import dram_round_checksums
 from flatcake.config import ConfigError, FlatCakeConfig
 from flatcake.gva.address import MEDIUM_DRAM, MEDIUM_NAMES, OFFSET_MASK, medium_of
@@ -79,6 +80,7 @@ class ClusterMember:
         self._count_lock = threading.Lock()  # counters are bumped from SGLang's threads
         self._worker: Optional[threading.Thread] = None
         self._closed = False
+        self.placement = None  # RemotePlacer: rounds without local space go to other nodes (placement.py)
         self.counters = {"remote_hit_pages": {"dram": 0, "ssd": 0}, "remote_read_pages": {"dram": 0, "ssd": 0},
                          "remote_miss_pages": dict.fromkeys(MISS_CAUSES, 0), "published_rounds": 0,
                          "published_pages": 0, "unpublished_rounds": 0, "retired_scopes": 0, "remote_reads": 0}
@@ -97,6 +99,7 @@ class ClusterMember:
         try:
             self.node.start()
             self.plane.start()
+            self.placement = start_placement(self)
         except BaseException:
             self.close()
             raise
@@ -134,6 +137,7 @@ class ClusterMember:
         self._jobs.put(None)
         if self._worker is not None:
             self._worker.join(timeout=5.0)
+        stop_placement(self, self.placement)
         for part in (self.plane, self.node):
             try:
                 part.close()
@@ -288,5 +292,7 @@ class ClusterMember:
             out.update(self.node.stats())
         except Exception as e:  # noqa: BLE001
             out["node_stats_error"] = str(e)
+        if self.placement is not None:
+            out.update(self.placement.stats())
         out.update(node_id=self.node_id, prefix=self.cluster_cfg.prefix)
         return out

@@ -179,6 +179,17 @@ class SsdOwnerServer:
         self.read_s = 0.0  # seconds spent reading pieces from the disk
         self.piece_delay_s = 0.0  # tests: a slow disk (seconds of sleep before each piece)
         self._logged: set[int] = set()
+        self._handlers: dict[str, Callable[[dict], tuple[str, dict]]] = {}
+
+    def add_handler(self, verb: str, fn: Callable[[dict], tuple[str, dict]]) -> None:
+        """Serve another verb on this socket: ``fn(body)`` returns the reply ``(verb, body)``,
+        sent to the requester. Runs on the server thread between read requests (it delays
+        them while it runs); an exception is logged and answered ``error``. Used by write-time
+        placement on this node (:mod:`flatcake.cluster.guest`: verb ``store``). Add handlers
+        before the first request arrives."""
+        if verb in ("read", "release"):
+            raise ValueError(f"verb {verb!r} is the SSD read protocol's")
+        self._handlers[verb] = fn
 
     def start(self) -> "SsdOwnerServer":
         """Start the server thread."""
@@ -205,6 +216,9 @@ class SsdOwnerServer:
     def _serve(self) -> None:
         while not self._stop.is_set():
             msg = self._queue.popleft() if self._queue else self._recv(0.1)
+            if msg is not None and msg[1] in self._handlers:
+                self._handle(*msg)
+                continue
             if msg is None or msg[1] != "read":
                 continue  # a release of a request already dropped
             try:
@@ -212,6 +226,14 @@ class SsdOwnerServer:
             except Exception as e:  # never let the server thread die: the request is dropped
                 log.warning("remote SSD server: request dropped (%s: %s)", type(e).__name__, e)
                 self.dropped += 1
+
+    def _handle(self, ident: bytes, verb: str, body: dict) -> None:
+        try:
+            reply, out = self._handlers[verb](body)
+        except Exception as e:  # never let the server thread die
+            log.warning("remote SSD server: %s request failed (%s: %s)", verb, type(e).__name__, e)
+            reply, out = "error", {"id": body.get("id"), "error": f"{type(e).__name__}: {e}"}
+        self._send(ident, reply, out)
 
     def _serve_one(self, ident: bytes, req: dict) -> None:
         rid = req["id"]
@@ -263,7 +285,7 @@ class SsdOwnerServer:
             msg = self._recv(min(left, 0.1))
             if msg is None:
                 continue
-            if msg[1] == "read":
+            if msg[1] == "read" or msg[1] in self._handlers:
                 self._queue.append(msg)
             elif msg[1] == "release" and msg[0] == ident and msg[2].get("id") == rid:
                 free.append(int(msg[2]["slot"]))
