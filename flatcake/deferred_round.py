@@ -22,7 +22,7 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
-from flatcake.cio.pagecopy import chunk_checksums, gather_pages
+from flatcake.cio.pagecopy import chunk_checksums, gather_layers, gather_pages
 from flatcake.gva.address import MEDIUM_SSD, encode_gva
 from flatcake.gva.index import PageEntry
 from flatcake.kernels.fcds_native import fcds_host_chunks
@@ -73,7 +73,8 @@ def prepare_round(plc, layout: KvPageLayout, geometry: PageGeometry, namespace: 
                   buf: Optional[AlignedBuffer] = None) -> PreparedRound:
     """Gather round ``plc`` (SSD placement) from ``layout`` into ``buf`` (grown as needed; a new
     aligned buffer when ``None``; nobody else may use it until the round is done): round
-    header, layer-major data (one vectorized copy per layer), zero padding, record.
+    header, layer-major data (one vectorized copy per plane for all layers on CPU,
+    :func:`~flatcake.cio.pagecopy.gather_layers`), zero padding, record.
 
     Raises:
         IndexError, RuntimeError: source pages outside ``layout`` (a caller bug).
@@ -88,10 +89,10 @@ def prepare_round(plc, layout: KvPageLayout, geometry: PageGeometry, namespace: 
     data_end = fmt.BLOCK + L * n * cb
     data = torch.from_numpy(arr[fmt.BLOCK: data_end]).view(L, n, cb)
     src = np.asarray(plc.src_pages, dtype=np.int64)
-    for layer in range(L):
-        if layout.device.type == "cpu":
-            gather_pages(layout, src, layer, data[layer])
-        else:
+    if layout.device.type == "cpu":  # one GIL-free copy per plane for all layers (SGLang's host layouts)
+        gather_layers(layout, src, 0, L, data)
+    else:
+        for layer in range(L):
             tmp = torch.empty((n, cb), dtype=torch.uint8, device=layout.device)
             gather_pages(layout, src, layer, tmp)
             data[layer].copy_(tmp)

@@ -22,7 +22,10 @@ into a new backend whose directory is removed after it. The scratch directory is
     python scripts/bench_gil.py --json runs/bench/gil.json
 
 ``--json FILE`` writes ``{"tick_overshoot_p99_ms": {"idle", "restore", "write"},
-"busy_over_idle": {"restore", "write"}}``.
+"busy_over_idle": {"restore", "write"}}``, plus the GB/s behind the ratios (``gb_per_s``) and
+the process CPU seconds per GB of the idle runs (``cpu_s_per_gb_idle``).
+``--switch-interval-ms`` sets CPython's switch interval for the run, to observe how the busy
+thread's cost scales with it (FlatCake itself never changes it).
 """
 
 from __future__ import annotations
@@ -39,13 +42,14 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
-from bench_common import PROFILES, drop_tree, flatcake_backend, make_host_pool, percentile, write_json  # noqa: E402
+from bench_common import PROFILES, cpu_seconds, drop_tree, flatcake_backend, make_host_pool, percentile, write_json  # noqa: E402
 from flatcake.config import STORAGE_BATCH_PAGES  # noqa: E402
 from flatcake.layout import SUPPORTED_LAYOUTS  # noqa: E402
 
@@ -163,14 +167,20 @@ def tick_p99(work, reps: int, idle_s: float) -> float:
     return percentile(tk.overshoot_ms, 99)
 
 
-def throughput(work, reps: int, nbytes: int, busy: bool) -> float:
+def throughput(work, reps: int, nbytes: int, busy: bool, cpu: Optional[list] = None) -> float:
     """Median GB/s of ``reps`` runs of ``work()`` (returns wall seconds), with or without a
-    Python-CPU-burning thread."""
+    Python-CPU-burning thread; ``cpu`` (idle runs only) gets each run's process CPU seconds."""
     bn = Burner() if busy else None
     if bn is not None:
         bn.start()
     try:
-        return statistics.median(nbytes / work() / 1e9 for _ in range(reps))
+        runs = []
+        for _ in range(reps):
+            c0 = cpu_seconds()
+            runs.append(nbytes / work() / 1e9)
+            if cpu is not None:
+                cpu.append(cpu_seconds() - c0)
+        return statistics.median(runs)
     finally:
         if bn is not None:
             bn.stop.set()
@@ -189,6 +199,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--idle-s", type=float, default=1.0, help="seconds of the idle tick measurement")
     ap.add_argument("--torch-threads", type=int, default=1, help="torch intra-op threads (default 1)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--switch-interval-ms", type=float, default=None,
+                    help="set CPython's switch interval for this run (an observation; FlatCake never changes it)")
     ap.add_argument("--dir", default=None, help="parent of the scratch directory on the disk under test (default /tmp)")
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args(argv)
@@ -206,6 +218,8 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if args.torch_threads > 0:
         torch.set_num_threads(args.torch_threads)
+    if args.switch_interval_ms is not None:
+        sys.setswitchinterval(args.switch_interval_ms / 1e3)
     t0 = time.perf_counter()
     b = GilBench(args)
     print(f"profile {args.profile} ({'MLA' if b.mla else 'MHA'}, {args.layout}): page {b.P} tokens = "
@@ -214,13 +228,17 @@ def main(argv=None) -> int:
     try:
         ticks = {"idle": tick_p99(None, 0, args.idle_s), "restore": tick_p99(b.restore, args.reps, 0),
                  "write": tick_p99(b.write, args.reps, 0)}
-        gbps = {(w, busy): throughput(getattr(b, w), args.reps, b.bytes, busy)
+        cpu: dict = {"restore": [], "write": []}
+        gbps = {(w, busy): throughput(getattr(b, w), args.reps, b.bytes, busy, None if busy else cpu[w])
                 for w in ("restore", "write") for busy in (False, True)}
     finally:
         b.close()
     out = {"tick_overshoot_p99_ms": ticks,
-           "busy_over_idle": {w: gbps[(w, True)] / gbps[(w, False)] for w in ("restore", "write")}}
-    print("GB/s: " + ", ".join(f"{w} {'busy' if busy else 'idle'} {v:.2f}" for (w, busy), v in gbps.items()))
+           "busy_over_idle": {w: gbps[(w, True)] / gbps[(w, False)] for w in ("restore", "write")},
+           "gb_per_s": {f"{w}_{'busy' if busy else 'idle'}": v for (w, busy), v in gbps.items()},
+           "cpu_s_per_gb_idle": {w: statistics.median(v) / (b.bytes / 1e9) for w, v in cpu.items()}}
+    print("GB/s: " + ", ".join(f"{w} {'busy' if busy else 'idle'} {v:.2f}" for (w, busy), v in gbps.items())
+          + "; CPU-s/GB idle: " + ", ".join(f"{w} {v:.2f}" for w, v in out["cpu_s_per_gb_idle"].items()))
     print(json.dumps(out))
     print(f"runtime {time.perf_counter() - t0:.0f} s; command: "
           f"{' '.join(['bench_gil.py'] + (argv if argv is not None else sys.argv[1:]))}")
