@@ -146,3 +146,48 @@ def test_the_target_stores_verified_pages_as_its_own_and_refuses_a_corrupted_run
         finally:
             w.close()
             t.close()
+
+
+NO_CLUSTER = r"""
+import json, shutil, sys, tempfile
+import torch
+from flatcake.adapter.host_pool import MHAHostPoolDouble
+from flatcake.adapter.storage import FlatCakeStorage
+from flatcake.config import FLATCAKE_EXTRA
+from flatcake.replay.systems import storage_config
+
+d = tempfile.mkdtemp(prefix="fc-noplace-")
+try:
+    pool = MHAHostPoolDouble(size=256, page_size=4, layer_num=3, head_num=2, head_dim=16, dtype=torch.bfloat16)
+    be = FlatCakeStorage(storage_config({**FLATCAKE_EXTRA, "ssd.path": d, "ssd.file_bytes": 307200,
+                                         "ssd.max_files": 1, "dram.capacity_bytes": 0}))
+    be.register_mem_pool_host(pool)
+    held, results = [], []
+    for r, size in enumerate([64] * 6 + [1] * 4):  # fill, pinning every stored scope, past full
+        keys = [f"r{r}-{i:03d}".ljust(64, "k") for i in range(size)]
+        results.append(all(be.batch_set_v1(keys, torch.arange(size * 4, dtype=torch.int64))))
+        be.store.flush_writes()
+        held += be.store.scopes.pin_leading_run(keys)
+    stats = be.flatcake_stats()
+    out = {"results": results, "overflow": be.store.backup.overflow is not None, "cluster_stats": "cluster" in stats,
+           "failures": stats["put_failures"],
+           "imported": sorted(m for m in sys.modules if m.startswith("flatcake.cluster"))}
+    be.store.scopes.unpin(held)
+    be.close()
+    print(json.dumps(out))
+finally:
+    shutil.rmtree(d, ignore_errors=True)
+"""
+
+
+def test_a_full_node_without_a_cluster_never_tries_to_place_elsewhere():
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", NO_CLUSTER], capture_output=True, text=True, timeout=300, check=True)
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    n_ok = got["results"].index(False)
+    assert got["results"] == [True] * n_ok + [False] * (10 - n_ok) and n_ok >= 2
+    assert got["failures"] == 10 - n_ok
+    assert (got["overflow"], got["cluster_stats"], got["imported"]) == (False, False, [])
