@@ -34,6 +34,7 @@ from flatcake.adapter.v2 import HybridPoolsMixin, is_logical_anchor
 from flatcake.adapter.identity import (PoolIdentity, base_identity, dp_rank_of, expand_advertise, expand_ssd_paths,
                                        open_pool, rank_port_offset, rank_values, sglang_replica)
 from flatcake.adapter.cluster_hook import start_member, stop_member
+from flatcake.adapter.cluster_walk import hit_run, read_run
 from flatcake.adapter.startup import check_file_bytes, default_path_warning, prefix_keys_warning, startup_line
 from flatcake.media.pool_dir import ensure_pool_dir
 from flatcake.metrics import REFRESH_S, make_exporter
@@ -222,8 +223,8 @@ class FlatCakeStorage(HybridPoolsMixin, HiCacheStorage):
         try:
             if self.logical_anchor or not self._ready():  # a logical anchor holds no KV page
                 return 0
-            n = self.store.leading_run(keys, _prefix(extra_info))
-            return n if self.cluster is None else self.cluster.extend_run(keys, n)  # then other nodes'
+            # the local run, then other nodes' runs and local ones in turn (cluster_walk)
+            return hit_run(self.store, self.cluster, keys, _prefix(extra_info))
         except Exception as e:
             self.errors("batch_exists", e)
             return 0
@@ -254,9 +255,7 @@ class FlatCakeStorage(HybridPoolsMixin, HiCacheStorage):
             if ids is None:
                 return [False] * len(keys)
             t0 = _now()
-            out = self.store.get(keys, self.layout, ids)
-            if self.cluster is not None:  # pages other nodes hold after the local run
-                self.cluster.fill(keys, out, self.layout, ids)
+            out = read_run(self.store, self.cluster, keys, self.layout, ids)  # local and other nodes' runs
             self._note_metric(self._prefetch_pgs, self._prefetch_bw, sum(out), t0)  # pages read
             return out
         except Exception as e:
@@ -295,9 +294,7 @@ class FlatCakeStorage(HybridPoolsMixin, HiCacheStorage):
             flat = torch.empty((n, target_locations[0].numel()), dtype=target_locations[0].dtype)
             lay = KvPageLayout.from_flat_pages(flat, self.mem_pool_host)
             t0 = _now()
-            ok = self.store.get(keys, lay, list(range(n)))
-            if self.cluster is not None:
-                self.cluster.fill(keys, ok, lay, list(range(n)))
+            ok = read_run(self.store, self.cluster, keys, lay, list(range(n)))
             self._note_metric(self._prefetch_pgs, self._prefetch_bw, sum(ok), t0)
             out: List[Optional[torch.Tensor]] = []
             for i, good in enumerate(ok):

@@ -102,6 +102,25 @@ def test_a_local_run_on_b_is_continued_by_pages_of_a(pair):
     assert rr1["ssd"] - rr0["ssd"] == 5 and rr1["dram"] == rr0["dram"]
 
 
+def test_a_prefix_whose_turns_alternate_between_nodes_is_one_hit_and_one_bit_exact_read(pair):
+    """Round-robin routing: turn 1 stored on A, turn 2 on B, turn 3 on A. Each node's hit query
+    and read cover all three turns, local runs from its store and the other's through the data plane."""
+    _, (a, b) = pair
+    t1, t2, t3 = _keys("alt1-", 4), _keys("alt2-", 4), _keys("alt3-", 4)
+    assert a.must("set", keys=t1)["ok"] == [True] * 4
+    assert b.must("set", keys=t2)["ok"] == [True] * 4
+    assert a.must("set", keys=t3)["ok"] == [True] * 4
+    assert a.must("flush")["flushed"] and b.must("flush")["flushed"]
+    assert b.must("wait", keys=t1 + t3)["done"] and a.must("wait", keys=t2)["done"]
+    prompt = t1 + t2 + t3 + _keys("alt4-", 2)
+    for node, remote in ((b, 8), (a, 4)):
+        assert node.must("exists", keys=prompt)["n"] == 12
+        before = sum(_cluster_stats(node)["remote_read_pages"].values())
+        got = node.must("get", keys=prompt[:12])
+        assert got["ok"] == [True] * 12 and got["equal"] == [True] * 12
+        assert sum(_cluster_stats(node)["remote_read_pages"].values()) - before == remote
+
+
 def test_a_cleared_scope_on_a_disappears_from_b(pair):
     _, (a, b) = pair
     keys = _keys("gone", 4)
