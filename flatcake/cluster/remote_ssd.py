@@ -16,6 +16,9 @@ Transfer-Engine-registered staging ring of at least two slots, and says ``ready`
 the slot with the Transfer Engine and releases it. With two slots the owner's disk read of piece
 ``k+1`` overlaps the reader's pull of piece ``k``.
 
+The same socket serves other verbs registered with :meth:`SsdOwnerServer.add_handler` between read
+requests: ``store`` (write-time placement on this node, :mod:`flatcake.cluster.guest`).
+
 This is a simple sorted/merged pread, not FC-CIO's restore planner: that one plans a local restore
 into a host pool (its destinations are page slots), here the destination is a staging slot.
 
