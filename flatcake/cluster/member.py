@@ -284,8 +284,9 @@ class ClusterMember:
         """``flatcake_stats()["cluster"]``: cumulative ``remote_hit_pages`` / ``remote_read_pages``
         ``{"dram", "ssd"}`` (pages), ``remote_miss_pages`` by cause, ``published_rounds``,
         ``published_pages``, ``unpublished_rounds``, ``retired_scopes``, ``remote_reads``, plus
-        the node's (:meth:`ClusterNode.stats <flatcake.cluster.node.ClusterNode.stats>`) and
-        ``node_id``, ``prefix``."""
+        the node's (:meth:`ClusterNode.stats <flatcake.cluster.node.ClusterNode.stats>`), the
+        write-time placement's (:meth:`RemotePlacer.stats <flatcake.cluster.placement.RemotePlacer.stats>`)
+        and ``node_id``, ``prefix``."""
         with self._count_lock:
             out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in self.counters.items()}
         try:
