@@ -22,6 +22,7 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
+from flatcake.cio.native_gather import gather_and_hash
 from flatcake.cio.pagecopy import chunk_checksums, gather_layers, gather_pages
 from flatcake.gva.address import MEDIUM_SSD, encode_gva
 from flatcake.gva.index import PageEntry
@@ -77,8 +78,10 @@ def prepare_round(plc, layout: KvPageLayout, geometry: PageGeometry, namespace: 
                   buf: Optional[AlignedBuffer] = None) -> PreparedRound:
     """Gather round ``plc`` (SSD placement) from ``layout`` into ``buf`` (grown as needed; a new
     aligned buffer when ``None``; nobody else may use it until the round is done): round
-    header, layer-major data (one vectorized copy per plane for all layers on CPU,
-    :func:`~flatcake.cio.pagecopy.gather_layers`), zero padding, record.
+    header, layer-major data and its checksums (on CPU one GIL-free C call,
+    :func:`~flatcake.cio.native_gather.gather_and_hash`; else one vectorized copy per plane for
+    all layers, :func:`~flatcake.cio.pagecopy.gather_layers`, then the hash loops), zero
+    padding, record.
 
     Raises:
         IndexError, RuntimeError: source pages outside ``layout`` (a caller bug).
@@ -96,15 +99,19 @@ def prepare_round(plc, layout: KvPageLayout, geometry: PageGeometry, namespace: 
     data_end = fmt.BLOCK + L * n * cb
     data = torch.from_numpy(arr[fmt.BLOCK: data_end]).view(L, n, cb)
     src = np.asarray(plc.src_pages, dtype=np.int64)
-    if layout.device.type == "cpu":  # one GIL-free copy per plane for all layers (SGLang's host layouts)
-        gather_layers(layout, src, 0, L, data)
+    both = gather_and_hash(layout, src, arr[fmt.BLOCK: data_end]) if layout.device.type == "cpu" else None
+    if both is not None:  # copy + both checksums in one GIL-free call (flatcake.cio.native_gather)
+        sums, devsums = both
     else:
-        for layer in range(L):
-            tmp = torch.empty((n, cb), dtype=torch.uint8, device=layout.device)
-            gather_pages(layout, src, layer, tmp)
-            data[layer].copy_(tmp)
-    sums = chunk_checksums(arr[fmt.BLOCK: data_end], cb).reshape(L, n)
-    devsums = fcds_host_chunks(arr[fmt.BLOCK: data_end], cb).reshape(L, n)
+        if layout.device.type == "cpu":  # one GIL-free copy per plane for all layers (SGLang's host layouts)
+            gather_layers(layout, src, 0, L, data)
+        else:
+            for layer in range(L):
+                tmp = torch.empty((n, cb), dtype=torch.uint8, device=layout.device)
+                gather_pages(layout, src, layer, tmp)
+                data[layer].copy_(tmp)
+        sums = chunk_checksums(arr[fmt.BLOCK: data_end], cb).reshape(L, n)
+        devsums = fcds_host_chunks(arr[fmt.BLOCK: data_end], cb).reshape(L, n)
     arr[data_end: lay.record_offset] = 0
     rec = fmt.pack_record(namespace, plc.keys, g.layers, cb, sums, plc.scope.scope_id, plc.seq, plc.nonce, devsums)
     arr[lay.record_offset: lay.record_offset + len(rec)] = np.frombuffer(rec, dtype=np.uint8)
