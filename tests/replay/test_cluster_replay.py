@@ -153,15 +153,16 @@ def test_round_robin_cluster_hits_what_isolated_nodes_recompute(config, tmp_path
     assert s["requests_per_node"] == [4, 4] and s["prompt_pages"] == 224 and len(clusters) == 2
     # isolated: turn 3 on node 0 finds turn 1's 16 pages, turn 4 on node 1 turn 2's 24; twice (A, B)
     assert _hits(i) == 80 and i["hit_pages"]["remote_dram"] + i["hit_pages"]["remote_ssd"] == 0
-    # cluster: turn 2 reads turn 1's 16 pages from node 0; turn 3: 16 local + 8 of turn 2's from
-    # node 1; turn 4: the 16 pages of turn 1 from node 0, then the run stops at turn 2's pages,
-    # which are node 1's own (a hit query is the local run continued by other nodes' pages).
+    # cluster: turn 2 reads turn 1's 16 pages from node 0; turn 3: 16 local + turn 2's 8 from
+    # node 1; turn 4: turn 1's 16 from node 0, its own 8 of turn 2, turn 3's 8 from node 0 (the hit
+    # query walks local and other nodes' runs in turn): every page some node holds, as affinity
     remote = c["hit_pages"]["remote_dram"] + c["hit_pages"]["remote_ssd"]
-    assert _hits(c) == 112 and remote == 80
+    assert _hits(c) == 144 and remote == 2 * (16 + 8 + 24)
+    assert c["delivered_hit_rate"] == pytest.approx(s["ideal_hit_rate"])
     assert c["hit_pages"]["unattributed"] == 0 and i["hit_pages"]["unattributed"] == 0
     assert c["verify_failures"] == 0 and i["verify_failures"] == 0
     assert c["backend_errors"] == 0 and c["failed_write_pages"] == 0
-    assert s["gain"]["hit_pages"] == 32 and s["gain"]["prefill_tokens_saved"] == 32 * 64
+    assert s["gain"]["hit_pages"] == 64 and s["gain"]["prefill_tokens_saved"] == 64 * 64
     assert c["visibility_waits"]["timeouts"] == 0
     rows = (tmp_path / "rr" / "requests.csv").read_text().splitlines()
     assert len(rows) == 1 + 16
