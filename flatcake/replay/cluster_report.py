@@ -119,7 +119,7 @@ def cluster_markdown(summary: dict) -> str:
              f"model {summary['model']['name']}, {summary['model']['page_bytes']} B pages; {summary['date_utc']}", "",
              "| | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
     if summary.get("scale", 1) != 1:
-        lines[3:3] = [f"--scale {summary['scale']}: timings (TTFT) are not meaningful; hit counts are.", ""]
+        lines[4:4] = [f"--scale {summary['scale']}: timings (TTFT) are not meaningful; hit counts are.", ""]
 
     def row(label, fn):
         lines.append(f"| {label} | " + " | ".join(fn(modes[n]) for n in names) + " |")
