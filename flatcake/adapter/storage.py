@@ -198,16 +198,15 @@ class FlatCakeStorage(HybridPoolsMixin, HiCacheStorage):
         """Host page numbers of ``n`` pages, or ``None`` (logged once) unless ``host_indices``
         holds exactly ``n`` whole, page-aligned pages of token slots."""
         ps = self.mem_pool_host.page_size
-        hi = torch.as_tensor(host_indices).reshape(-1)
-        ok = hi.numel() == n * ps
-        if ok:
-            pages = hi.view(n, ps)
-            starts = pages[:, 0]
-            ok = bool((starts % ps == 0).all()) and bool((pages == starts[:, None] + torch.arange(ps, dtype=hi.dtype)).all())
+        hi = torch.as_tensor(host_indices)
+        # one conversion, then plain Python: each torch op would give the GIL up (docs/performance.md)
+        v = hi.tolist() if hi.dim() == 1 else hi.flatten().tolist()
+        starts = v[::ps]
+        ok = len(v) == n * ps and all(s % ps == 0 for s in starts) and v == [s + j for s in starts for j in range(ps)]
         if not ok:
             self.errors("host_indices", ValueError(f"host_indices must be {n} whole page-aligned pages of {ps} slots"))
             return None
-        return (starts // ps).tolist()
+        return [s // ps for s in starts]
 
     # ------------------------------------------------------------------ queries
     def exists(self, key: str) -> bool:
