@@ -51,7 +51,7 @@ def _build():
     if lib is None:
         return None, why
     fn = lib.fc_restore_run
-    fn.argtypes = [_P, _I64, _I64, _I64] + [_P] * 7 + [_I64] + [_P] * 8 + [_I64, _I64, _I64] + [_P] * 7
+    fn.argtypes = [_P, _I64, _I64, _I64] + [_P] * 7 + [_I64] + [_P] * 12 + [_I64] * 4 + [_P] * 8
     fn.restype = _I64
     return (lambda *a: fn(addr, *a)), ""  # the closure keeps the library loaded
 
@@ -112,14 +112,16 @@ class NativeRestore:
             sts = [StagingBatch.build(b, win.buffers[i % 2], layout, eng.chunk_bytes, eng.cfg.io_workers, owned=True)
                    for i, b in enumerate(batches)]
             run = self._arrays(sts, chunks, table)
-            fds = self.posix.shared_fds(np.unique(run["pfile"]).tolist())
+            fds = self.posix.shared_fds(sorted(set(run["pfile"].tolist())))
             try:
                 pfd = np.array([fds[fi][0] for fi in run["pfile"].tolist()], dtype=np.int64)
                 fn(int(self.posix.direct_io), max(1, min(eng.cfg.io_workers, len(pfd))), len(pfd), _a(pfd),
                    *(_a(run[k]) for k in ("poff", "plen", "paddr", "pbatch", "pgot", "perr")), len(sts),
-                   *(_a(run[k]) for k in ("own_lo", "rest_lo", "rest_hi", "csrc", "ck0", "ck1", "cwant", "chas")),
-                   eng.chunk_bytes, table[0].shape[1], layout.geometry.page_size,
-                   *(_a(run[k]) for k in ("plane_off", "plane_rb", "cdst", "crs", "cstatus", "left", "done")))
+                   *(_a(run[k]) for k in ("own_lo", "rest_lo", "rest_hi", "cb0", "bbase", "ck0", "ck1", "cidx")),
+                   *(_a(np.ascontiguousarray(x)) for x in (chunks.page, chunks.layer, chunks.checksum,
+                                                           chunks.has_checksum)),
+                   int(bool(eng.cfg.verify_checksums)), eng.chunk_bytes, table[0].shape[1], layout.geometry.page_size,
+                   *(_a(run[k]) for k in ("plane_off", "plane_rb", "tb", "ts0", "ts1", "cstatus", "left", "done")))
                 refused = bool((run["perr"] == errno_mod.EINVAL).any()) and self.posix.direct_io
             finally:
                 self.posix.release_shared(refuse_direct=refused)
@@ -139,54 +141,41 @@ class NativeRestore:
 
     def _arrays(self, sts: list, chunks: ChunkBatch, table) -> dict:
         """The C call's arrays: pieces in order, then chunks (every batch's owned chunks grouped
-        by piece, then every batch's straddling chunks), with destinations and checksums."""
-        eng = self.engine
+        by piece, then every batch's straddling chunks) as buffer offsets and positions in
+        ``chunks``; the C side looks up pages, layers and checksums there. Few numpy operations
+        over whole-call arrays: each one over more than ~500 items gives the GIL up."""
         pieces = [p for st in sts for p in st.pieces]
+        npc = [len(st.pieces) for st in sts]
         r = {"pfile": np.fromiter((p.file_index for p in pieces), np.int64, len(pieces)),
              "poff": np.fromiter((p.offset for p in pieces), np.int64, len(pieces)),
              "plen": np.fromiter((p.nbytes for p in pieces), np.int64, len(pieces)),
-             "pbatch": np.repeat(np.arange(len(sts), dtype=np.int64), [len(st.pieces) for st in sts])}
-        base = np.repeat(np.array([st.buf.tensor.data_ptr() for st in sts], dtype=np.int64),
-                         [len(st.pieces) for st in sts])
-        r["paddr"] = base + np.concatenate([st.piece_start for st in sts])
-        kb = np.cumsum([0] + [len(st.pieces) for st in sts])
-        own_src, own_idx, own_k, own_lo, rest_src, rest_idx, rk0, rk1, n_rest = [], [], [], [], [], [], [], [], []
-        n_own = 0
+             "pbatch": np.repeat(np.arange(len(sts), dtype=np.int64), npc),
+             "bbase": np.array([st.buf.tensor.data_ptr() for st in sts], dtype=np.int64)}
+        r["paddr"] = np.repeat(r["bbase"], npc) + np.concatenate([st.piece_start for st in sts])
+        kb = np.cumsum([0] + npc)
+        own_lo, n_own, n_rest, rest = [], 0, [], []
         for b, st in enumerate(sts):
-            addr = st.buf.tensor.data_ptr()
-            own_src.append(st.own_b0 + addr)
-            own_idx.append(st.own_idx)
             own_lo.append(st.own_lo[:-1] + n_own)
             n_own += st.own_idx.shape[0]
-            n_r = 0 if st.rest_idx is None else st.rest_idx.shape[0]
-            n_rest.append(n_r)
-            if n_r:
-                rest_src.append(st.rest_b0 + addr)
-                rest_idx.append(st.rest_idx)
-                rk0.append(st.rest_k0 + kb[b])
-                rk1.append(st.rest_k1 + kb[b])
-        own_k = np.repeat(np.arange(len(pieces), dtype=np.int64), np.diff(np.concatenate(own_lo + [[n_own]])))
+            n_rest.append(0 if st.rest_idx is None else st.rest_idx.shape[0])
+            if n_rest[-1]:
+                rest.append((st.rest_b0, st.rest_idx, st.rest_k0 + kb[b], st.rest_k1 + kb[b]))
         r["own_lo"] = np.concatenate(own_lo + [np.array([n_own], dtype=np.int64)]).astype(np.int64)
+        own_k = np.repeat(np.arange(len(pieces), dtype=np.int64), np.diff(r["own_lo"]))
         r["rest_lo"] = n_own + np.cumsum([0] + n_rest[:-1]).astype(np.int64)
         r["rest_hi"] = r["rest_lo"] + np.array(n_rest, dtype=np.int64)
-        cat = (lambda xs: np.concatenate(xs).astype(np.int64) if xs else np.empty(0, np.int64))  # noqa: E731
-        r["csrc"] = cat(own_src + rest_src)
-        r["cidx"] = idx = cat(own_idx + rest_idx)
-        r["ck0"] = np.concatenate([own_k, cat(rk0)])
-        r["ck1"] = np.concatenate([own_k, cat(rk1)])
-        r["cwant"] = np.ascontiguousarray(chunks.checksum[idx], dtype=np.uint64)
-        r["chas"] = (chunks.has_checksum[idx] & bool(eng.cfg.verify_checksums)).astype(np.uint8)
-        tb, ts0, ts1 = table
-        lay, page = chunks.layer[idx], chunks.page[idx]
-        r["cdst"] = np.ascontiguousarray(tb[lay] + page[:, None] * ts0[lay])
-        r["crs"] = np.ascontiguousarray(ts1[lay])
+        r["cb0"] = np.concatenate([st.own_b0 for st in sts] + [x[0] for x in rest]).astype(np.int64, copy=False)
+        r["cidx"] = np.concatenate([st.own_idx for st in sts] + [x[1] for x in rest]).astype(np.int64, copy=False)
+        r["ck0"] = np.concatenate([own_k] + [x[2] for x in rest])
+        r["ck1"] = np.concatenate([own_k] + [x[3] for x in rest])
+        r["tb"], r["ts0"], r["ts1"] = (np.ascontiguousarray(t) for t in table)
         geo = sts[0].layout.geometry
         r["plane_off"] = np.array(geo.plane_offsets(), dtype=np.int64)
         r["plane_rb"] = np.array(geo.plane_row_bytes, dtype=np.int64)
-        r["cstatus"] = np.full(idx.shape[0], 1, dtype=np.uint8)
+        r["cstatus"] = np.ones(r["cidx"].shape[0], dtype=np.uint8)
         r["pgot"] = np.zeros(len(pieces), dtype=np.int64)
         r["perr"] = np.zeros(len(pieces), dtype=np.int64)
-        r["left"] = np.array([len(st.pieces) for st in sts], dtype=np.int64)
+        r["left"] = np.array(npc, dtype=np.int64)
         r["done"] = np.zeros(len(sts), dtype=np.uint8)
         return r
 

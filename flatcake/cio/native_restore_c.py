@@ -25,8 +25,9 @@ typedef struct {
     int64_t np; const int64_t *pfd, *poff, *plen, *paddr, *pbatch; int64_t *pgot, *perr;
     int64_t nb; const int64_t *own_lo;  /* [np+1]: owned chunks of piece k */
     const int64_t *rest_lo, *rest_hi;   /* [nb]: straddling chunks of batch b (after its owned) */
-    const int64_t *csrc, *ck0, *ck1; const uint64_t *cwant; const uint8_t *chas;
-    int64_t cb, J, P; const int64_t *plane_off, *plane_rb, *cdst, *crs;
+    const int64_t *cb0, *bbase, *ck0, *ck1, *cidx;  /* chunk c: bytes at bbase[batch] + cb0[c]; */
+    const int64_t *page, *layer; const uint64_t *want; const uint8_t *has; int64_t verify;  /* [cidx[c]] */
+    int64_t cb, J, P; const int64_t *plane_off, *plane_rb, *tb, *ts0, *ts1;  /* [layer * J + plane] */
     uint8_t *cstatus;
     int64_t next; int64_t *left; uint8_t *done;
     pthread_mutex_t mu; pthread_cond_t cv;
@@ -46,13 +47,15 @@ static void read_piece(job_t *j, int64_t k) {
     j->pgot[k] = got; j->perr[k] = err;
 }
 
-static void deliver(job_t *j, int64_t c) {
-    const uint8_t *src = (const uint8_t *)(intptr_t)j->csrc[c];
-    if (j->chas[c] && j->h(src, (size_t)j->cb) != j->cwant[c]) { j->cstatus[c] = 2; return; }
+static void deliver(job_t *j, int64_t c, int64_t src_addr) {
+    const uint8_t *src = (const uint8_t *)(intptr_t)src_addr;
+    int64_t i = j->cidx[c];
+    if (j->verify && j->has[i] && j->h(src, (size_t)j->cb) != j->want[i]) { j->cstatus[c] = 2; return; }
     for (int64_t q = 0; q < j->J; q++) {
         const uint8_t *s = src + j->plane_off[q];
-        uint8_t *d = (uint8_t *)(intptr_t)j->cdst[c * j->J + q];
-        int64_t rb = j->plane_rb[q], rs = j->crs[c * j->J + q];
+        int64_t t = j->layer[i] * j->J + q;
+        uint8_t *d = (uint8_t *)(intptr_t)(j->tb[t] + j->page[i] * j->ts0[t]);
+        int64_t rb = j->plane_rb[q], rs = j->ts1[t];
         if (rs == rb) { memcpy(d, s, (size_t)(rb * j->P)); continue; }
         for (int64_t r = 0; r < j->P; r++) memcpy(d + r * rs, s + r * rb, (size_t)rb);
     }
@@ -62,9 +65,10 @@ static void deliver(job_t *j, int64_t c) {
 static int64_t valid_end(job_t *j, int64_t k) { return j->paddr[k] + j->pgot[k]; }
 
 static void owned(job_t *j, int64_t k) {
+    int64_t base = j->bbase[j->pbatch[k]];
     for (int64_t c = j->own_lo[k]; c < j->own_lo[k + 1]; c++) {
-        if (j->csrc[c] + j->cb > valid_end(j, k)) { j->cstatus[c] = 1; continue; }
-        deliver(j, c);
+        if (base + j->cb0[c] + j->cb > valid_end(j, k)) { j->cstatus[c] = 1; continue; }
+        deliver(j, c, base + j->cb0[c]);
     }
 }
 
@@ -72,8 +76,9 @@ static void rest(job_t *j, int64_t b) {
     for (int64_t c = j->rest_lo[b]; c < j->rest_hi[b]; c++) {
         int ok = 1;
         for (int64_t k = j->ck0[c]; k < j->ck1[c]; k++) if (j->pgot[k] < j->plen[k]) ok = 0;
-        if (!ok || j->csrc[c] + j->cb > valid_end(j, j->ck1[c])) { j->cstatus[c] = 1; continue; }
-        deliver(j, c);
+        int64_t src = j->bbase[b] + j->cb0[c];
+        if (!ok || src + j->cb > valid_end(j, j->ck1[c])) { j->cstatus[c] = 1; continue; }
+        deliver(j, c, src);
     }
 }
 
@@ -104,13 +109,15 @@ int64_t fc_restore_run(void *h, int64_t direct, int64_t nthreads,
                        int64_t np, const int64_t *pfd, const int64_t *poff, const int64_t *plen,
                        const int64_t *paddr, const int64_t *pbatch, int64_t *pgot, int64_t *perr,
                        int64_t nb, const int64_t *own_lo, const int64_t *rest_lo, const int64_t *rest_hi,
-                       const int64_t *csrc, const int64_t *ck0, const int64_t *ck1,
-                       const uint64_t *cwant, const uint8_t *chas,
+                       const int64_t *cb0, const int64_t *bbase, const int64_t *ck0, const int64_t *ck1,
+                       const int64_t *cidx, const int64_t *page, const int64_t *layer,
+                       const uint64_t *want, const uint8_t *has, int64_t verify,
                        int64_t cb, int64_t J, int64_t P, const int64_t *plane_off, const int64_t *plane_rb,
-                       const int64_t *cdst, const int64_t *crs, uint8_t *cstatus,
+                       const int64_t *tb, const int64_t *ts0, const int64_t *ts1, uint8_t *cstatus,
                        int64_t *left, uint8_t *done) {
     job_t j = {(xxh3_fn)h, direct, np, pfd, poff, plen, paddr, pbatch, pgot, perr, nb, own_lo, rest_lo, rest_hi,
-               csrc, ck0, ck1, cwant, chas, cb, J, P, plane_off, plane_rb, cdst, crs, cstatus, 0, left, done};
+               cb0, bbase, ck0, ck1, cidx, page, layer, want, has, verify, cb, J, P, plane_off, plane_rb,
+               tb, ts0, ts1, cstatus, 0, left, done};
     pthread_mutex_init(&j.mu, 0);
     pthread_cond_init(&j.cv, 0);
     pthread_t th[64];

@@ -290,7 +290,8 @@ def plan_reads(batch: ChunkBatch, *, gap_bytes: int, max_io_bytes: int, align: i
     )
     bytes_read = int(r_nb.sum())
     useful = n * so if uniform else int(so.sum())
-    return ReadPlan(reads=reads, pages=int(np.unique(batch.page).shape[0]), chunks=n, bytes_read=bytes_read,
+    # distinct pages by a Python set: np.unique sorts, and every sort gives the GIL up
+    return ReadPlan(reads=reads, pages=len(set(batch.page.tolist())), chunks=n, bytes_read=bytes_read,
                     bytes_over_read=max(0, bytes_read - int(useful)))
 
 
