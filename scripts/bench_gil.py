@@ -115,9 +115,14 @@ class GilBench:
         return [f"{r:016x}-{i:06d}" for i in range(self.pages)]
 
     def _calls(self):
-        for a in range(0, self.pages, STORAGE_BATCH_PAGES):
-            b = min(self.pages, a + STORAGE_BATCH_PAGES)
-            yield a, b, torch.arange(a * self.P, b * self.P, dtype=torch.int64)
+        """``(first page, end page, host_indices)`` of each 128-page call. The index tensors are
+        made once, outside the clock: in SGLang the scheduler hands them to the backend, and a
+        torch op here would give the GIL up like one of FlatCake's own."""
+        if not hasattr(self, "_idx"):
+            self._idx = [(a, min(self.pages, a + STORAGE_BATCH_PAGES),
+                          torch.arange(a * self.P, min(self.pages, a + STORAGE_BATCH_PAGES) * self.P, dtype=torch.int64))
+                         for a in range(0, self.pages, STORAGE_BATCH_PAGES)]
+        return iter(self._idx)
 
     def put(self, be, keys) -> None:
         for a, b, idx in self._calls():
