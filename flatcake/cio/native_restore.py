@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import ctypes
 import errno as errno_mod
+import os
 import time
 from typing import Optional
 
@@ -35,6 +36,10 @@ from flatcake.cio.plan import ChunkBatch, batch_reads, plan_reads
 from flatcake.native_loop import NativeLoop, compile_shim
 
 _I64 = ctypes.c_int64
+
+#: threads of one restore that verify and copy at once: all cores but one, so SGLang's
+#: scheduler thread finds a free core (the other threads keep reading meanwhile)
+CPU_THREADS = max(1, (os.cpu_count() or 2) - 1)
 _P = ctypes.c_void_p
 
 
@@ -51,7 +56,7 @@ def _build():
     if lib is None:
         return None, why
     fn = lib.fc_restore_run
-    fn.argtypes = [_P, _I64, _I64, _I64] + [_P] * 7 + [_I64] + [_P] * 12 + [_I64] * 4 + [_P] * 8
+    fn.argtypes = [_P, _I64, _I64, _I64, _I64] + [_P] * 7 + [_I64] + [_P] * 12 + [_I64] * 4 + [_P] * 8
     fn.restype = _I64
     return (lambda *a: fn(addr, *a)), ""  # the closure keeps the library loaded
 
@@ -115,7 +120,7 @@ class NativeRestore:
             fds = self.posix.shared_fds(sorted(set(run["pfile"].tolist())))
             try:
                 pfd = np.array([fds[fi][0] for fi in run["pfile"].tolist()], dtype=np.int64)
-                fn(int(self.posix.direct_io), max(1, min(eng.cfg.io_workers, len(pfd))), len(pfd), _a(pfd),
+                fn(int(self.posix.direct_io), max(1, min(eng.cfg.io_workers, len(pfd))), CPU_THREADS, len(pfd), _a(pfd),
                    *(_a(run[k]) for k in ("poff", "plen", "paddr", "pbatch", "pgot", "perr")), len(sts),
                    *(_a(run[k]) for k in ("own_lo", "rest_lo", "rest_hi", "cb0", "bbase", "ck0", "ck1", "cidx")),
                    *(_a(np.ascontiguousarray(x)) for x in (chunks.page, chunks.layer, chunks.checksum,

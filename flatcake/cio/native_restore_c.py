@@ -5,7 +5,9 @@ the two staging buffers of a window), verifies each chunk's xxh3-64 (python-xxha
 ``XXH3_64bits``, passed in by address) and copies its planes into the page slots, all without
 the GIL. A thread that read a piece verifies and scatters the chunks lying wholly in it; the
 thread that finishes a batch's last piece handles the chunks straddling two of its pieces. The
-pieces of batch ``b`` start only after batch ``b - 2`` (same buffer) is wholly scattered.
+pieces of batch ``b`` start only after batch ``b - 2`` (same buffer) is wholly scattered. At
+most ``cpu_threads`` threads verify and copy at once (the others keep reading), so a core stays
+free for the process's Python threads.
 
 Chunk status out: 0 delivered, 1 not fully read (short read, EOF, I/O error), 2 checksum
 mismatch. Piece errors out: 0, an errno, or -1 for end of file.
@@ -31,7 +33,22 @@ typedef struct {
     uint8_t *cstatus;
     int64_t next; int64_t *left; uint8_t *done;
     pthread_mutex_t mu; pthread_cond_t cv;
+    int64_t cpu_free; pthread_mutex_t cmu; pthread_cond_t ccv;  /* threads copying/hashing at once */
 } job_t;
+
+static void cpu_take(job_t *j) {
+    pthread_mutex_lock(&j->cmu);
+    while (j->cpu_free <= 0) pthread_cond_wait(&j->ccv, &j->cmu);
+    j->cpu_free--;
+    pthread_mutex_unlock(&j->cmu);
+}
+
+static void cpu_give(job_t *j) {
+    pthread_mutex_lock(&j->cmu);
+    j->cpu_free++;
+    pthread_cond_signal(&j->ccv);
+    pthread_mutex_unlock(&j->cmu);
+}
 
 static void read_piece(job_t *j, int64_t k) {
     uint8_t *buf = (uint8_t *)(intptr_t)j->paddr[k];
@@ -91,11 +108,15 @@ static void *worker(void *arg) {
         j->next++;
         pthread_mutex_unlock(&j->mu);
         read_piece(j, k);
+        cpu_take(j);
         owned(j, k);
+        cpu_give(j);
         pthread_mutex_lock(&j->mu);
         if (--j->left[b] == 0) {
             pthread_mutex_unlock(&j->mu);
+            cpu_take(j);
             rest(j, b);
+            cpu_give(j);
             pthread_mutex_lock(&j->mu);
             j->done[b] = 1;
             pthread_cond_broadcast(&j->cv);
@@ -105,7 +126,7 @@ static void *worker(void *arg) {
     return 0;
 }
 
-int64_t fc_restore_run(void *h, int64_t direct, int64_t nthreads,
+int64_t fc_restore_run(void *h, int64_t direct, int64_t nthreads, int64_t cpu_threads,
                        int64_t np, const int64_t *pfd, const int64_t *poff, const int64_t *plen,
                        const int64_t *paddr, const int64_t *pbatch, int64_t *pgot, int64_t *perr,
                        int64_t nb, const int64_t *own_lo, const int64_t *rest_lo, const int64_t *rest_hi,
@@ -120,6 +141,9 @@ int64_t fc_restore_run(void *h, int64_t direct, int64_t nthreads,
                tb, ts0, ts1, cstatus, 0, left, done};
     pthread_mutex_init(&j.mu, 0);
     pthread_cond_init(&j.cv, 0);
+    j.cpu_free = cpu_threads < 1 ? 1 : cpu_threads;
+    pthread_mutex_init(&j.cmu, 0);
+    pthread_cond_init(&j.ccv, 0);
     pthread_t th[64];
     int64_t n = nthreads < 1 ? 1 : (nthreads > 64 ? 64 : nthreads), started = 0;
     for (int64_t t = 1; t < n; t++) if (pthread_create(&th[started], 0, worker, &j) == 0) started++;
@@ -127,6 +151,8 @@ int64_t fc_restore_run(void *h, int64_t direct, int64_t nthreads,
     for (int64_t t = 0; t < started; t++) pthread_join(th[t], 0);
     pthread_mutex_destroy(&j.mu);
     pthread_cond_destroy(&j.cv);
+    pthread_mutex_destroy(&j.cmu);
+    pthread_cond_destroy(&j.ccv);
     return 0;
 }
 """
