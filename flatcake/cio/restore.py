@@ -9,7 +9,8 @@ Lifecycle of one :meth:`RestoreEngine.restore` call::
     pipeline  for batch i:  submit reads of batch i+1 into the other buffer
                             wait reads of batch i → keep chunks fully read (and checksum-clean)
                             scatter them into the layout (torch / Triton kernel)
-              (POSIX on CPU: the chunks of each I/O piece are verified and scattered on a small
+              (POSIX on CPU: all of it in one GIL-free C call, flatcake.cio.native_restore; without
+               it the chunks of each I/O piece are verified and scattered on a small
                scatter pool as soon as the piece lands, so the scatter of layer l overlaps the
                reads of layer l and l+1; the buffer is reused only after all its scatters finished)
               (GPU: the scatter runs on a CUDA stream and records an event; a buffer is
@@ -201,8 +202,7 @@ class RestoreEngine:
         self.scatter_impl = resolve_impl(cfg.scatter, self.device)
         # POSIX workers verify + scatter the chunks of the piece they just read (else the caller)
         self.worker_scatter = self.engine_name == "posix" and self.scatter_impl == "torch"
-        # Those scatters run on a small pool (not in the I/O threads), so an I/O worker starts its
-        # next read at once instead of after copying the piece it just read.
+        # on a small pool (not the I/O threads): an I/O worker starts its next read at once
         self._scatter_pool = ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1)),
                                                 thread_name_prefix="fc-cio-scatter")
         # one GIL-free C call per restore where it applies (flatcake.cio.native_restore)

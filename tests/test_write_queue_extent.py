@@ -1,0 +1,43 @@
+"""A deferred round that opens an extent (write queue; docs/performance.md "The busy-thread ratio
+is GIL hand-offs"): the extent header travels in the round's first data write."""
+
+from flatcake_testkit import make_store, page_matches, put_pages
+
+BACKLOG = {"ssd.write_backlog_bytes": 64 << 20}
+
+
+def keys_of(name: str, n: int = 2) -> list[str]:
+    return [f"{name}{i}" for i in range(n)]
+
+
+def test_a_deferred_round_opening_an_extent_writes_the_extent_header_with_its_first_piece(ssd_dir):
+    # the extent header block sits right before the round header: one write carries both, the
+    # record still comes last; on disk the header is where a warm restart looks for it
+    from flatcake.media import extent as fmt
+
+    store, pool, lay = make_store(ssd_dir, **BACKLOG)
+    calls = []
+    real = store.ssd.write
+
+    def write(file_index, offset, buf, generation=None):
+        calls.append((file_index, offset, len(buf), bytes(memoryview(buf)[:8])))
+        return real(file_index, offset, buf, generation)
+
+    store.ssd.write = write
+    assert put_pages(store, pool, lay, keys_of("eh", 3), [0, 1, 2]) == [True] * 3
+    assert store.flush_writes(30)
+    info = store.page_info("eh0")
+    f, first = calls[0][0], calls[0][1]
+    assert calls[0][3] == fmt.EXTENT_MAGIC and calls[0][2] > fmt.BLOCK  # header + round in one write
+    assert all(c[0] == f and c[1] > first for c in calls[1:]) and len(calls) == 2  # then the record
+    with open(store.ssd.path_of(f), "rb") as fh:
+        fh.seek(first)
+        hdr = fmt.unpack_extent_header(fh.read(fmt.BLOCK))
+    assert hdr is not None and info.file_index == f
+    assert store.get(keys_of("eh", 3), lay, [10, 11, 12]) == [True] * 3
+    assert all(page_matches(pool, (10 + i) * pool.page_size, k) for i, k in enumerate(keys_of("eh", 3)))
+    store.close()
+    store2, pool2, lay2 = make_store(ssd_dir, **BACKLOG)  # warm restart finds the extent and its round
+    assert store2.get(keys_of("eh", 3), lay2, [0, 1, 2]) == [True] * 3
+    assert all(page_matches(pool2, i * pool2.page_size, k) for i, k in enumerate(keys_of("eh", 3)))
+    store2.close()
