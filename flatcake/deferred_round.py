@@ -97,12 +97,12 @@ def prepare_round(plc, layout: KvPageLayout, geometry: PageGeometry, namespace: 
     arr = np.frombuffer(view, dtype=np.uint8, count=lay.total_bytes)
     view[: fmt.BLOCK] = fmt.pack_round_header(lay, plc.seq, plc.scope.scope_id, plc.nonce)
     data_end = fmt.BLOCK + L * n * cb
-    data = torch.from_numpy(arr[fmt.BLOCK: data_end]).view(L, n, cb)
     src = np.asarray(plc.src_pages, dtype=np.int64)
     both = gather_and_hash(layout, src, arr[fmt.BLOCK: data_end]) if layout.device.type == "cpu" else None
     if both is not None:  # copy + both checksums in one GIL-free call (flatcake.cio.native_gather)
         sums, devsums = both
-    else:
+    else:  # (the torch view only here: a torch op gives the GIL up)
+        data = torch.from_numpy(arr[fmt.BLOCK: data_end]).view(L, n, cb)
         if layout.device.type == "cpu":  # one GIL-free copy per plane for all layers (SGLang's host layouts)
             gather_layers(layout, src, 0, L, data)
         else:
