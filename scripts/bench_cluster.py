@@ -38,11 +38,16 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_common import write_json  # noqa: E402
+from flatcake.config import ClusterConfig  # noqa: E402
 
 
 def _pct(values, q):
     d = sorted(values)
     return d[min(len(d) - 1, int(q * len(d)))] if d else float("nan")
+
+
+#: B's landing buffer unless a read needs more: cluster.landing_bytes's default (what a node gets)
+LANDING_DEFAULT = ClusterConfig.model_fields["landing_bytes"].default
 
 
 def _start(cluster, root, args):
@@ -52,7 +57,7 @@ def _start(cluster, root, args):
     page = args.layers * args.chunk_kib * 1024
     nodes = [DataPlaneClient(cluster, i) for i in range(2)]
     plane = {"cluster.staging_slots": args.slots, "cluster.staging_slot_bytes": args.slot_mib << 20,
-             "cluster.landing_bytes": -(-max(args.slot_mib << 20, args.pages * page) // 8192) * 8192,
+             "cluster.landing_bytes": -(-max(args.slot_mib << 20, args.pages * page, LANDING_DEFAULT) // 8192) * 8192,
              "cluster.remote_timeout_s": 5.0}
     for i, n in enumerate(nodes):
         cfg = node_config(cluster.etcd_endpoint, i + 1, ttl_s=5, advertise=f"{cluster.node_address(i)}:5601", extra=plane)
@@ -130,8 +135,11 @@ def main(argv=None) -> int:
     ap.add_argument("--pages", type=int, default=128, help="pages per read (default 128: SGLang's batch)")
     ap.add_argument("--layers", type=int, default=4, help="chunks per page (default 4)")
     ap.add_argument("--chunk-kib", type=int, default=64, help="KiB per chunk (default 64: 256 KiB pages)")
-    ap.add_argument("--slot-mib", type=int, default=4, help="MiB per staging slot of A's ring (default 4)")
-    ap.add_argument("--slots", type=int, default=2, help="staging slots of A's ring (default 2, at least 2)")
+    dflt = {k: f.default for k, f in ClusterConfig.model_fields.items()}
+    ap.add_argument("--slot-mib", type=int, default=dflt["staging_slot_bytes"] >> 20,
+                    help="MiB per staging slot of A's ring (default: cluster.staging_slot_bytes's default)")
+    ap.add_argument("--slots", type=int, default=dflt["staging_slots"],
+                    help="staging slots of A's ring (default: cluster.staging_slots's default; at least 2)")
     ap.add_argument("--repeats", type=int, default=5, help="interleaved runs of each read (medians)")
     ap.add_argument("--rounds", type=int, default=50, help="rounds published one at a time for propagation")
     ap.add_argument("--dir", default=tempfile.gettempdir(), help="where the temporary SSD pool files go")
