@@ -240,11 +240,14 @@ class DataPlaneClient:
         cluster: the :class:`~flatcake.cluster.netns.LocalCluster`; i: node index.
     """
 
+    #: the agent's module, run with ``python -m`` in the node's namespace (subclasses: their agent)
+    MODULE = "flatcake.cluster.dataplane_agent"
+
     def __init__(self, cluster, i: int):
         import subprocess
 
         self.i = i
-        self.proc = cluster.spawn(i, [sys.executable, "-m", "flatcake.cluster.dataplane_agent"],
+        self.proc = cluster.spawn(i, [sys.executable, "-m", self.MODULE],
                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
 
     def send(self, cmd: str, **kw) -> None:

@@ -102,12 +102,7 @@ class PlacementAgentClient(DataPlaneClient):
     """The driver's end of one placement agent in node ``i``'s namespace (as
     :class:`~flatcake.cluster.storage_agent.StorageAgentClient`)."""
 
-    def __init__(self, cluster, i: int):
-        import subprocess
-
-        self.i = i
-        self.proc = cluster.spawn(i, [sys.executable, "-m", "flatcake.cluster.placement_agent"],
-                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
+    MODULE = "flatcake.cluster.placement_agent"
 
 
 def main() -> int:

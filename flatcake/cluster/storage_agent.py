@@ -199,12 +199,7 @@ class StorageAgentClient(DataPlaneClient):
         cluster: the :class:`~flatcake.cluster.netns.LocalCluster`; i: node index.
     """
 
-    def __init__(self, cluster, i: int):
-        import subprocess
-
-        self.i = i
-        self.proc = cluster.spawn(i, [sys.executable, "-m", "flatcake.cluster.storage_agent"],
-                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
+    MODULE = "flatcake.cluster.storage_agent"
 
 
 def main() -> int:
