@@ -22,6 +22,7 @@ from typing import Optional
 import numpy as np
 
 from flatcake.cio.native_restore import dst_table
+from flatcake.cio.xxh3_bulk import xxh3_address
 from flatcake.kernels import fcds_native
 from flatcake.native_loop import NativeLoop, compile_shim
 
@@ -58,12 +59,9 @@ def _build():
     fc = fcds_native.LOOP.fn()
     if fc is None:
         return None, "the device checksum's C loop is not compiled"
-    try:
-        import xxhash._xxhash as ext
-
-        xaddr = ctypes.cast(ctypes.CDLL(ext.__file__).XXH3_64bits, ctypes.c_void_p).value
-    except (ImportError, OSError, AttributeError) as e:
-        return None, f"xxhash extension does not export XXH3_64bits ({e})"
+    xaddr, why = xxh3_address()
+    if xaddr is None:
+        return None, why
     lib, why = compile_shim(_SHIM, "gather")
     if lib is None:
         return None, why

@@ -33,6 +33,7 @@ import numpy as np
 from flatcake.cio.batch import StagingBatch
 from flatcake.cio.native_restore_c import SOURCE
 from flatcake.cio.plan import ChunkBatch, batch_reads, plan_reads
+from flatcake.cio.xxh3_bulk import xxh3_address
 from flatcake.native_loop import NativeLoop, compile_shim
 
 _I64 = ctypes.c_int64
@@ -46,12 +47,9 @@ _P = ctypes.c_void_p
 def _build():
     """``(fn, "")`` with ``fn(*args)`` the bound ``fc_restore_run`` (xxh3 address first), or
     ``(None, why)``."""
-    try:
-        import xxhash._xxhash as ext
-
-        addr = ctypes.cast(ctypes.CDLL(ext.__file__).XXH3_64bits, ctypes.c_void_p).value
-    except (ImportError, OSError, AttributeError) as e:
-        return None, f"xxhash extension does not export XXH3_64bits ({e})"
+    addr, why = xxh3_address()
+    if addr is None:
+        return None, why
     lib, why = compile_shim(SOURCE, "restore", (("-O2", "-pthread"), ("-O2",)))
     if lib is None:
         return None, why

@@ -36,15 +36,23 @@ void fc_xxh3_at(void *fn, const uint8_t *base, const int64_t *starts, int64_t n,
 """
 
 
-def _build():
-    """The bound C loop (``fc_xxh3_at`` with the address of python-xxhash's ``XXH3_64bits``),
-    or ``(None, why)``."""
+def xxh3_address():
+    """``(address, "")`` of python-xxhash's exported ``XXH3_64bits`` (the function the C loops
+    call, so their hashes are python-xxhash's bits), or ``(None, why)``."""
     try:
         import xxhash._xxhash as ext
 
-        addr = ctypes.cast(ctypes.CDLL(ext.__file__).XXH3_64bits, ctypes.c_void_p).value
+        return ctypes.cast(ctypes.CDLL(ext.__file__).XXH3_64bits, ctypes.c_void_p).value, ""
     except (ImportError, OSError, AttributeError) as e:
         return None, f"xxhash extension does not export XXH3_64bits ({e})"
+
+
+def _build():
+    """The bound C loop (``fc_xxh3_at`` with the address of python-xxhash's ``XXH3_64bits``),
+    or ``(None, why)``."""
+    addr, why = xxh3_address()
+    if addr is None:
+        return None, why
     lib, why = compile_shim(_SHIM, "xxh3")
     if lib is None:
         return None, why
