@@ -6,7 +6,8 @@ it back a few times per 8 MiB I/O piece: the I/O worker wakes from its queue, re
 and from each plane copy, and the caller wakes to collect each batch. Next to a thread burning
 Python CPU (SGLang's scheduler loop) each take-back can wait a whole switch interval
 (``sys.getswitchinterval()``, 5 ms), so a 256 MiB restore that made ~270 such steps ran at a
-fifth of its speed. Here the plan is made in Python once per call, and then one :mod:`ctypes`
+fifth of its speed. Here the plan is one C call that keeps the GIL (~0.1 ms for 2,048 chunks;
+:mod:`flatcake.cio.native_plan_c`, no numpy pass over the chunks), and then one :mod:`ctypes`
 call (which releases the GIL) reads every piece from ``io_workers`` POSIX threads into the
 window's two staging buffers, verifies each chunk's xxh3-64 and copies its planes into the
 page slots (:mod:`flatcake.cio.native_restore_c`): one GIL hand-off per call.
@@ -31,6 +32,9 @@ from typing import Optional
 import numpy as np
 
 from flatcake.cio.batch import StagingBatch
+from flatcake.align import ALIGN
+from flatcake.cio import engines
+from flatcake.cio.native_plan_c import PLAN_SOURCE
 from flatcake.cio.native_restore_c import SOURCE
 from flatcake.cio.plan import ChunkBatch, batch_reads, plan_reads
 from flatcake.cio.xxh3_bulk import xxh3_address
@@ -45,18 +49,26 @@ _P = ctypes.c_void_p
 
 
 def _build():
-    """``(fn, "")`` with ``fn(*args)`` the bound ``fc_restore_run`` (xxh3 address first), or
-    ``(None, why)``."""
+    """``(fn, "")`` with ``fn(*args)`` the bound ``fc_restore_run`` (xxh3 address first) and
+    ``fn.plan(*args)`` the bound ``fc_restore_plan``, or ``(None, why)``."""
     addr, why = xxh3_address()
     if addr is None:
         return None, why
-    lib, why = compile_shim(SOURCE, "restore", (("-O2", "-pthread"), ("-O2",)))
+    lib, why = compile_shim(SOURCE + PLAN_SOURCE, "restore", (("-O2", "-pthread"), ("-O2",)))
     if lib is None:
         return None, why
-    fn = lib.fc_restore_run
+    fn, plan = lib.fc_restore_run, lib.fc_restore_plan
     fn.argtypes = [_P, _I64, _I64, _I64, _I64] + [_P] * 7 + [_I64] + [_P] * 12 + [_I64] * 4 + [_P] * 8
     fn.restype = _I64
-    return (lambda *a: fn(addr, *a)), ""  # the closure keeps the library loaded
+    # the plan (~0.1 ms for 2,048 chunks) keeps the GIL: giving it up next to a thread burning
+    # Python CPU could cost a 5 ms switch interval to get back
+    plan = ctypes.PYFUNCTYPE(_I64, _I64, *[_P] * 4, *[_I64] * 9, *[_P] * 16)(ctypes.cast(plan, _P).value)
+
+    def run(*a):
+        return fn(addr, *a)
+
+    run.plan = plan  # the closure and the attribute keep the library loaded
+    return run, ""
 
 
 #: the C restore (``FLATCAKE_NATIVE_RESTORE=0`` turns it off)
@@ -103,28 +115,30 @@ class NativeRestore:
 
         eng, fn = self.engine, LOOP.fn()
         table = dst_table(layout) if fn is not None else None
-        if table is None:
-            return None
-        plan = plan_reads(chunks, gap_bytes=eng.cfg.gap_bytes, max_io_bytes=eng.max_io_bytes)
-        batches = batch_reads(plan.reads, eng.staging_bytes)
+        if table is None or chunks.nbytes != eng.chunk_bytes or eng.cfg.gap_bytes < 0 or eng.max_io_bytes < ALIGN:
+            return None  # (the Python plan raises where these are errors)
         t_wait = time.perf_counter()
         win = eng.staging.acquire()
         t0 = time.perf_counter()
         refused = False
         try:
-            sts = [StagingBatch.build(b, win.buffers[i % 2], layout, eng.chunk_bytes, eng.cfg.io_workers, owned=True)
-                   for i, b in enumerate(batches)]
-            run = self._arrays(sts, chunks, table)
+            run = self.plan_arrays(chunks, [b.tensor.data_ptr() for b in win.buffers[:2]])
+            if run is None:
+                return None
+            g = layout.geometry
+            geo = {"plane_off": np.array(g.plane_offsets(), dtype=np.int64),
+                   "plane_rb": np.array(g.plane_row_bytes, dtype=np.int64)}
             fds = self.posix.shared_fds(sorted(set(run["pfile"].tolist())))
             try:
                 pfd = np.array([fds[fi][0] for fi in run["pfile"].tolist()], dtype=np.int64)
                 fn(int(self.posix.direct_io), max(1, min(eng.cfg.io_workers, len(pfd))), CPU_THREADS, len(pfd), _a(pfd),
-                   *(_a(run[k]) for k in ("poff", "plen", "paddr", "pbatch", "pgot", "perr")), len(sts),
+                   *(_a(run[k]) for k in ("poff", "plen", "paddr", "pbatch", "pgot", "perr")), run["nb"],
                    *(_a(run[k]) for k in ("own_lo", "rest_lo", "rest_hi", "cb0", "bbase", "ck0", "ck1", "cidx")),
                    *(_a(np.ascontiguousarray(x)) for x in (chunks.page, chunks.layer, chunks.checksum,
                                                            chunks.has_checksum)),
                    int(bool(eng.cfg.verify_checksums)), eng.chunk_bytes, table[0].shape[1], layout.geometry.page_size,
-                   *(_a(run[k]) for k in ("plane_off", "plane_rb", "tb", "ts0", "ts1", "cstatus", "left", "done")))
+                   _a(geo["plane_off"]), _a(geo["plane_rb"]), *(_a(np.ascontiguousarray(t)) for t in table),
+                   *(_a(run[k]) for k in ("cstatus", "left", "done")))
                 refused = bool((run["perr"] == errno_mod.EINVAL).any()) and self.posix.direct_io
             finally:
                 self.posix.release_shared(refuse_direct=refused)
@@ -137,49 +151,56 @@ class NativeRestore:
             if fds[fi][0] < 0:
                 run["perr"][k] = fds[fi][1]
         failed = self._failures(run, chunks)
-        return RestoreReport(failed_tags=frozenset(failed), pages=plan.pages, chunks=plan.chunks,
-                             merged_reads=len(plan.reads), bytes_read=plan.bytes_read,
-                             bytes_over_read=plan.bytes_over_read, read_s=t1 - t0, engine=eng.engine_name,
-                             wait_s=t0 - t_wait, batches=len(batches), io_requests=len(pfd))
+        n, nread = len(chunks), run["bytes_read"]
+        return RestoreReport(failed_tags=frozenset(failed), pages=len(set(chunks.page.tolist())), chunks=n,
+                             merged_reads=run["reads"], bytes_read=nread,
+                             bytes_over_read=max(0, nread - n * eng.chunk_bytes), read_s=t1 - t0,
+                             engine=eng.engine_name, wait_s=t0 - t_wait, batches=run["nb"], io_requests=len(pfd))
 
-    def _arrays(self, sts: list, chunks: ChunkBatch, table) -> dict:
-        """The C call's arrays: pieces in order, then chunks (every batch's owned chunks grouped
-        by piece, then every batch's straddling chunks) as buffer offsets and positions in
-        ``chunks``; the C side looks up pages, layers and checksums there. Few numpy operations
-        over whole-call arrays: each one over more than ~500 items gives the GIL up."""
-        pieces = [p for st in sts for p in st.pieces]
-        npc = [len(st.pieces) for st in sts]
-        r = {"pfile": np.fromiter((p.file_index for p in pieces), np.int64, len(pieces)),
-             "poff": np.fromiter((p.offset for p in pieces), np.int64, len(pieces)),
-             "plen": np.fromiter((p.nbytes for p in pieces), np.int64, len(pieces)),
-             "pbatch": np.repeat(np.arange(len(sts), dtype=np.int64), npc),
-             "bbase": np.array([st.buf.tensor.data_ptr() for st in sts], dtype=np.int64)}
-        r["paddr"] = np.repeat(r["bbase"], npc) + np.concatenate([st.piece_start for st in sts])
-        kb = np.cumsum([0] + npc)
-        own_lo, n_own, n_rest, rest = [], 0, [], []
-        for b, st in enumerate(sts):
-            own_lo.append(st.own_lo[:-1] + n_own)
-            n_own += st.own_idx.shape[0]
-            n_rest.append(0 if st.rest_idx is None else st.rest_idx.shape[0])
-            if n_rest[-1]:
-                rest.append((st.rest_b0, st.rest_idx, st.rest_k0 + kb[b], st.rest_k1 + kb[b]))
-        r["own_lo"] = np.concatenate(own_lo + [np.array([n_own], dtype=np.int64)]).astype(np.int64)
-        own_k = np.repeat(np.arange(len(pieces), dtype=np.int64), np.diff(r["own_lo"]))
-        r["rest_lo"] = n_own + np.cumsum([0] + n_rest[:-1]).astype(np.int64)
-        r["rest_hi"] = r["rest_lo"] + np.array(n_rest, dtype=np.int64)
-        r["cb0"] = np.concatenate([st.own_b0 for st in sts] + [x[0] for x in rest]).astype(np.int64, copy=False)
-        r["cidx"] = np.concatenate([st.own_idx for st in sts] + [x[1] for x in rest]).astype(np.int64, copy=False)
-        r["ck0"] = np.concatenate([own_k] + [x[2] for x in rest])
-        r["ck1"] = np.concatenate([own_k] + [x[3] for x in rest])
-        r["tb"], r["ts0"], r["ts1"] = (np.ascontiguousarray(t) for t in table)
-        geo = sts[0].layout.geometry
-        r["plane_off"] = np.array(geo.plane_offsets(), dtype=np.int64)
-        r["plane_rb"] = np.array(geo.plane_row_bytes, dtype=np.int64)
-        r["cstatus"] = np.ones(r["cidx"].shape[0], dtype=np.uint8)
-        r["pgot"] = np.zeros(len(pieces), dtype=np.int64)
-        r["perr"] = np.zeros(len(pieces), dtype=np.int64)
-        r["left"] = np.array(npc, dtype=np.int64)
-        r["done"] = np.zeros(len(sts), dtype=np.uint8)
+    def plan_arrays(self, chunks: ChunkBatch, bufs: list) -> Optional[dict]:
+        """The C call's arrays, planned in one GIL-free C call (:mod:`flatcake.cio.native_plan_c`):
+        pieces in order (``pfile``, ``poff``, ``plen`` bytes, ``paddr`` addresses, ``pbatch``),
+        then chunks (every batch's owned chunks grouped by piece, then every batch's straddling
+        chunks) as buffer offsets ``cb0`` and positions ``cidx`` in ``chunks``, plus ``nb``
+        batches, ``reads`` merged reads and ``bytes_read``. The same arrays, in the same order,
+        as :meth:`reference_arrays` builds from the Python plan. ``bufs``: the window's two
+        staging buffer addresses. ``None`` when the plan refuses (a bad descriptor, a read
+        longer than the staging buffer: the Python pipeline raises)."""
+        eng, n = self.engine, len(chunks)
+        mp, mb = n * max(1, eng.cfg.io_workers), n
+        r = {k: np.zeros(mp, dtype=np.int64) for k in ("pfile", "poff", "plen", "paddr", "pbatch", "pgot", "perr")}
+        r.update({k: np.zeros(mb, dtype=np.int64) for k in ("rest_lo", "rest_hi", "bbase", "left")})
+        r.update({k: np.zeros(n, dtype=np.int64) for k in ("cb0", "ck0", "ck1", "cidx")})
+        r["own_lo"] = np.zeros(mp + 1, dtype=np.int64)
+        r["cstatus"], r["done"], out = np.zeros(n, dtype=np.uint8), np.zeros(mb, dtype=np.uint8), np.zeros(8, np.int64)
+        rc = LOOP.fn().plan(n, *(_a(x) for x in (chunks.file_index, chunks.offset, chunks.tag, chunks.layer)),
+                            eng.chunk_bytes, eng.cfg.gap_bytes, eng.max_io_bytes, ALIGN, eng.staging_bytes,
+                            eng.cfg.io_workers, engines.MIN_PIECE_BYTES, bufs[0], bufs[1],
+                            *(_a(r[k]) for k in ("pfile", "poff", "plen", "paddr", "pbatch", "own_lo", "rest_lo",
+                                                  "rest_hi", "cb0", "bbase", "ck0", "ck1", "cidx", "left", "cstatus")),
+                            _a(out))
+        if rc != 0:
+            return None
+        npc, nb = int(out[0]), int(out[1])
+        for k in ("pfile", "poff", "plen", "paddr", "pbatch", "pgot", "perr"):
+            r[k] = r[k][:npc]
+        for k in ("rest_lo", "rest_hi", "bbase", "left", "done"):
+            r[k] = r[k][:nb]
+        r["own_lo"] = r["own_lo"][:npc + 1]
+        r.update(nb=nb, reads=int(out[2]), bytes_read=int(out[3]))
+        return r
+
+    def reference_arrays(self, chunks: ChunkBatch, bufs: list, layout) -> dict:
+        """The arrays of :meth:`plan_arrays` from the Python plan (:func:`plan_reads`,
+        :func:`batch_reads`, :meth:`StagingBatch.build`): the meaning of the C plan, for tests.
+        ``bufs``: staging buffers (``.tensor``) of the window."""
+        eng = self.engine
+        plan = plan_reads(chunks, gap_bytes=eng.cfg.gap_bytes, max_io_bytes=eng.max_io_bytes)
+        batches = batch_reads(plan.reads, eng.staging_bytes)
+        sts = [StagingBatch.build(b, bufs[i % 2], layout, eng.chunk_bytes, eng.cfg.io_workers, owned=True)
+               for i, b in enumerate(batches)]
+        r = _reference(sts)
+        r.update(nb=len(sts), reads=len(plan.reads), bytes_read=plan.bytes_read)
         return r
 
     def _failures(self, run: dict, chunks: ChunkBatch) -> list[int]:
@@ -192,6 +213,8 @@ class NativeRestore:
             eng.errors.report("read", errno_mod.errorcode.get(e, str(e)),
                               f"{path} @ {int(run['poff'][k]) + int(run['pgot'][k])}: {e}")
         st, idx = run["cstatus"], run["cidx"]
+        if st.tobytes().count(0) == st.shape[0]:  # no numpy pass over every chunk: it gives the GIL up
+            return []
         bad = np.flatnonzero(st != 0)
         if not bad.shape[0]:
             return []
@@ -204,6 +227,36 @@ class NativeRestore:
                 eng.errors.report("read", "short read", f"file {int(chunks.file_index[i])} ends before byte "
                                   f"{int(chunks.offset[i]) + eng.chunk_bytes} (chunk tag {int(chunks.tag[i])})")
         return chunks.tag[idx[bad]].tolist()
+
+
+def _reference(sts: list) -> dict:
+    """Arrays of :meth:`NativeRestore.plan_arrays` from built :class:`StagingBatch` es."""
+    pieces = [p for st in sts for p in st.pieces]
+    npc = [len(st.pieces) for st in sts]
+    r = {"pfile": np.fromiter((p.file_index for p in pieces), np.int64, len(pieces)),
+         "poff": np.fromiter((p.offset for p in pieces), np.int64, len(pieces)),
+         "plen": np.fromiter((p.nbytes for p in pieces), np.int64, len(pieces)),
+         "pbatch": np.repeat(np.arange(len(sts), dtype=np.int64), npc),
+         "bbase": np.array([st.buf.tensor.data_ptr() for st in sts], dtype=np.int64),
+         "left": np.array(npc, dtype=np.int64)}
+    r["paddr"] = np.repeat(r["bbase"], npc) + np.concatenate([st.piece_start for st in sts])
+    kb = np.cumsum([0] + npc)
+    own_lo, n_own, n_rest, rest = [], 0, [], []
+    for b, st in enumerate(sts):
+        own_lo.append(st.own_lo[:-1] + n_own)
+        n_own += st.own_idx.shape[0]
+        n_rest.append(0 if st.rest_idx is None else st.rest_idx.shape[0])
+        if n_rest[-1]:
+            rest.append((st.rest_b0, st.rest_idx, st.rest_k0 + kb[b], st.rest_k1 + kb[b]))
+    r["own_lo"] = np.concatenate(own_lo + [np.array([n_own], dtype=np.int64)]).astype(np.int64)
+    own_k = np.repeat(np.arange(len(pieces), dtype=np.int64), np.diff(r["own_lo"]))
+    r["rest_lo"] = n_own + np.cumsum([0] + n_rest[:-1]).astype(np.int64)
+    r["rest_hi"] = r["rest_lo"] + np.array(n_rest, dtype=np.int64)
+    r["cb0"] = np.concatenate([st.own_b0 for st in sts] + [x[0] for x in rest]).astype(np.int64, copy=False)
+    r["cidx"] = np.concatenate([st.own_idx for st in sts] + [x[1] for x in rest]).astype(np.int64, copy=False)
+    r["ck0"] = np.concatenate([own_k] + [x[2] for x in rest])
+    r["ck1"] = np.concatenate([own_k] + [x[3] for x in rest])
+    return r
 
 
 __all__ = ["LOOP", "NativeRestore", "dst_table"]
