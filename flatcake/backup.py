@@ -310,7 +310,8 @@ class Backup:
         plc = job.plc
         done = self._write_and_commit(
             plc, lambda: write_prepared(job.prepared, self.ssd, self.node, self.stats, WRITE_CHUNK_BYTES,
-                                        self.queue.pause_for_reads), job.parent, op="deferred write")
+                                        self.queue.pause_for_reads, self.queue.readers_now), job.parent,
+            op="deferred write")
         if done == 0:
             self.stats.add(deferred_write_failures=1, deferred_write_failed_pages=len(plc.keys))
             self._untail(job)

@@ -30,6 +30,7 @@ from flatcake.kernels.fcds_native import fcds_host_chunks
 from flatcake.layout import KvPageLayout, PageGeometry
 from flatcake.media import extent as fmt
 from flatcake.media.directio import AlignedBuffer
+from flatcake.native_write import piece_writer
 
 
 @dataclass(eq=False)
@@ -125,11 +126,14 @@ def prepare_round(plc, layout: KvPageLayout, geometry: PageGeometry, namespace: 
 
 
 def write_prepared(prep: PreparedRound, ssd, node: int, stats, chunk_bytes: int,
-                   between: Optional[Callable[[], None]] = None) -> list[PageEntry]:
+                   between: Optional[Callable[[], None]] = None, readers=None) -> list[PageEntry]:
     """Write ``prep`` to its reserved space: extent header (if any; in the first piece when it
     sits right before the round, ``prep.lead``), header | data in pieces of at most
     ``chunk_bytes`` (a multiple of 4096) with ``between()`` before each piece after the first,
-    then the record (only now does the round exist on disk).
+    then the record (only now does the round exist on disk). With ``readers`` (int64 ``[1]``,
+    restores in flight) and the C loop of :mod:`flatcake.native_write`, the pieces and the
+    record are one ``ssd.write`` in one GIL-free call that stops between two pieces while
+    ``readers[0] > 0`` (then ``between()``, and the rest): same bytes, order and pause points.
 
     Returns:
         One :class:`~flatcake.gva.index.PageEntry` per page, as the write path returns them.
@@ -146,7 +150,16 @@ def write_prepared(prep: PreparedRound, ssd, node: int, stats, chunk_bytes: int,
         ssd.write(plc.new_extent.file_index, plc.new_extent.offset, hv[: fmt.BLOCK], plc.generation)
         stats.add(ssd_write_bytes=fmt.BLOCK, ssd_write_ops=1)
     view = prep.view()
-    for off in range(0, lay.record_offset, chunk_bytes):
+    ends = [plc.round_offset + min(off, lay.record_offset) for off in range(chunk_bytes, lay.record_offset + chunk_bytes,
+                                                                            chunk_bytes)]
+    pwrite = piece_writer(ends, readers, between) if readers is not None else None
+    if pwrite is not None:  # header | data pieces, then the record: one call
+        whole = prep.buf.reserve(prep.lead + lay.total_bytes)
+        ssd.write(plc.extent_file, plc.round_offset - prep.lead, whole[: prep.lead + lay.total_bytes], plc.generation,
+                  pwrite)
+        stats.add(ssd_write_bytes=prep.lead)
+        ops = len(ends)
+    for off in range(0, lay.record_offset if pwrite is None else 0, chunk_bytes):
         if off and between is not None:
             between()
         end = min(lay.record_offset, off + chunk_bytes)
@@ -157,10 +170,11 @@ def write_prepared(prep: PreparedRound, ssd, node: int, stats, chunk_bytes: int,
         else:
             ssd.write(plc.extent_file, plc.round_offset + off, view[off:end], plc.generation)
         ops += 1
-    if between is not None:
-        between()
-    ssd.write(plc.extent_file, plc.round_offset + lay.record_offset, view[lay.record_offset: lay.total_bytes],
-              plc.generation)
+    if pwrite is None:
+        if between is not None:
+            between()
+        ssd.write(plc.extent_file, plc.round_offset + lay.record_offset, view[lay.record_offset: lay.total_bytes],
+                  plc.generation)
     n, cb = lay.n_pages, prep.chunk_bytes
     stats.add(ssd_write_bytes=lay.total_bytes, ssd_write_ops=ops + 1, pages_written_ssd=n)
     base_off = plc.extent_file * ssd.file_bytes + plc.round_offset + fmt.BLOCK

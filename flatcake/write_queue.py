@@ -147,6 +147,8 @@ class WriteQueue:
         self._free_bytes = 0
         #: True while the writer thread has a round to write and waits for restores to end
         self.writer_held = False
+        #: int64 [1]: restores in flight, read without the GIL by the writer's C piece loop
+        self.readers_now = np.zeros(1, dtype=np.int64)
 
     # ================================================================ reads
     def reads_begin(self) -> None:
@@ -154,11 +156,13 @@ class WriteQueue:
         lane: :meth:`~flatcake.store.PageStore.reads_pending`): hold writes not yet issued."""
         with self._cond:
             self._readers += 1
+            self.readers_now[0] = self._readers
 
     def reads_end(self) -> None:
         """A restore read ended; writes drain once no read is in flight."""
         with self._cond:
             self._readers -= 1
+            self.readers_now[0] = self._readers
             if not self._readers:
                 self._cond.notify_all()
 

@@ -203,7 +203,7 @@ def test_a_deferred_write_fault_is_a_later_miss_counted_once_and_nothing_else_is
     assert store.queue.flush(30)
     real = store.ssd.write
 
-    def failing_write(file_index, offset, buf, generation=None):
+    def failing_write(file_index, offset, buf, generation=None, pwrite=None):
         raise OSError(errno.ENOSPC, "no space left (injected)")
 
     store.queue.reads_begin()

@@ -101,9 +101,7 @@ class SsdFilePool(PoolFileFaults):
 
     def __init__(self, cfg: SsdConfig, namespace: str, instance: str = "", follower: bool = False,
                  errors: Optional[ErrorLog] = None):
-        self.cfg = cfg
-        self.file_bytes = cfg.file_bytes
-        self.max_files = cfg.max_files
+        self.cfg, self.file_bytes, self.max_files = cfg, cfg.file_bytes, cfg.max_files
         self.configured_capacity_bytes = cfg.file_bytes * cfg.max_files
         self.follower = follower
         self.errors = errors if errors is not None else ErrorLog(log)
@@ -403,12 +401,13 @@ class SsdFilePool(PoolFileFaults):
         return self.used_bytes / cap if cap else 1.0
 
     # ------------------------------------------------------------------ I/O
-    def write(self, file_index: int, offset: int, buf, generation: Optional[int] = None) -> None:
+    def write(self, file_index: int, offset: int, buf, generation: Optional[int] = None, pwrite=None) -> None:
         """Write all of ``buf`` (4 KiB-aligned address and length) at ``offset``.
 
         Args:
             generation: the file generation the space was reserved under; the write is
                 refused when the file was reset since (its range may be someone else's now).
+            pwrite: ``(fd, memoryview, offset) -> bytes written`` for ``os.pwritev`` (:mod:`flatcake.native_write`).
 
         Raises:
             PoolFileGone: the file was unlinked or truncated behind the backend.
@@ -432,7 +431,7 @@ class SsdFilePool(PoolFileFaults):
             mv = memoryview(buf)
             done = 0
             while done < len(mv):
-                n = os.pwritev(fd, [mv[done:]], offset + done)
+                n = os.pwritev(fd, [mv[done:]], offset + done) if pwrite is None else pwrite(fd, mv[done:], offset + done)
                 if n <= 0:
                     raise ShortWrite(errno.EIO, "short write", self.path_of(file_index))
                 done += n

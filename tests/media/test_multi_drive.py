@@ -14,6 +14,7 @@ import pytest
 import flatcake_testkit as testkit
 from flatcake_testkit import page_matches, put_pages
 
+from flatcake import native_write
 from flatcake.media import pool_dir
 
 
@@ -369,6 +370,7 @@ def test_a_drive_back_with_new_files_is_never_read_through_old_descriptors(drive
 
 
 def test_with_the_write_queue_rounds_still_alternate_and_a_deferred_fault_takes_only_its_drive(drives, monkeypatch):
+    monkeypatch.setitem(native_write.LOOP.state, "fn", None)  # the fault is injected at os.pwritev
     store, pool, lay = open_store(drives[:2], **{"ssd.write_backlog_bytes": 16 << 20})
     restore = refuse_writes_under(monkeypatch, drives[1])
     store.queue.reads_begin()  # a restore in flight: the writer waits, all four rounds are placed first
