@@ -159,31 +159,30 @@ class ReadPath:
         m, L = len(ssd_pos), g.layers
         pos = np.asarray(ssd_pos, dtype=np.int64)
         es = [entries[i] for i in ssd_pos]
-        fo = [divmod(e.gva & OFFSET_MASK, self.file_bytes) for e in es]  # (file, offset in it)
+        off = np.fromiter((e.gva & OFFSET_MASK for e in es), dtype=np.int64, count=m)
+        stride = np.fromiter((e.layer_stride for e in es), dtype=np.int64, count=m)
         if isinstance(page_ids, torch.Tensor):
-            dst = page_ids.detach().to("cpu", torch.int64).numpy()[pos].tolist()
+            dst = page_ids.detach().to("cpu", torch.int64).numpy()[pos]
         else:
-            dst = [int(page_ids[i]) for i in ssd_pos]
+            dst = np.fromiter((int(page_ids[i]) for i in ssd_pos), dtype=np.int64, count=m)
+        f, o = np.divmod(off, self.file_bytes)
+        lay = np.arange(L, dtype=np.int64)
+        offsets = (o[None, :] + lay[:, None] * stride[None, :]).reshape(-1)  # [L, m] flattened layer-major
         verify = self.verify
-        has_page = [e.checksums is not None and (verify or e.verify) for e in es]
+        has_page = np.fromiter((e.checksums is not None and (verify or e.verify) for e in es), dtype=bool, count=m)
         sums = np.zeros((2, L, m), dtype=np.uint64)  # xxh3, device checksum
-        has_dev = [False] * m
-        for j in [j for j in range(m) if has_page[j]]:
+        has_dev = np.zeros(m, dtype=bool)
+        for j in np.flatnonzero(has_page).tolist():
             c = np.asarray(es[j].checksums, dtype=np.uint64)  # [layers] or [2 * layers] (record v3)
             sums[0, :, j] = c[:L]
             if c.shape[0] >= 2 * L:
                 sums[1, :, j] = c[L: 2 * L]
                 has_dev[j] = True
-        # the [L * m] arrays from Python lists (~0.1 ms each, holding the GIL): a numpy operation
-        # over more than ~500 items gives the GIL up, and next to a busy thread each can cost a
-        # 5 ms switch interval to get back (docs/performance.md)
-        offsets = [o + layer * e.layer_stride for layer in range(L) for (_, o), e in zip(fo, es)]
         return ChunkBatch(
-            np.array([f for f, _ in fo] * L, dtype=np.int64), np.array(offsets, dtype=np.int64),
-            np.array(dst * L, dtype=np.int64), np.array([layer for layer in range(L) for _ in range(m)], dtype=np.int64),
-            np.array(list(ssd_pos) * L, dtype=np.int64), g.chunk_bytes,
-            checksum=sums[0].reshape(-1), has_checksum=np.array(has_page * L, dtype=bool),
-            devsum=sums[1].reshape(-1), has_devsum=np.array(has_dev * L, dtype=bool),
+            np.broadcast_to(f, (L, m)).reshape(-1), offsets, np.broadcast_to(dst, (L, m)).reshape(-1),
+            np.repeat(lay, m), np.broadcast_to(pos, (L, m)).reshape(-1), g.chunk_bytes,
+            checksum=sums[0].reshape(-1), has_checksum=np.broadcast_to(has_page[None, :], (L, m)).reshape(-1),
+            devsum=sums[1].reshape(-1), has_devsum=np.broadcast_to(has_dev[None, :], (L, m)).reshape(-1),
         )
 
     def _read_ssd(self, entries, ssd_pos: list[int], layout: KvPageLayout, page_ids) -> int:
