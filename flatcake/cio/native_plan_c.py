@@ -2,9 +2,10 @@
 
 The same plan as the Python pipeline's :func:`~flatcake.cio.plan.plan_reads` (uniform chunk
 size), :func:`~flatcake.cio.plan.batch_reads`, :meth:`~flatcake.cio.batch.StagingBatch.build`
-and :func:`~flatcake.cio.engines.split_pieces`, in one GIL-free call: next to a thread burning
-Python CPU each numpy operation over more than ~500 chunk descriptors gave the GIL up and could
-wait a whole switch interval to get it back (17 + 12 ms of a busy 128-page call,
+and :func:`~flatcake.cio.engines.split_pieces`, in one C call that keeps the GIL (~0.1 ms for
+2,048 chunks): next to a thread burning Python CPU, the Python plan's sorts, gathers
+(``a[order]`` over the 2,048 chunk descriptors) and ``flatnonzero`` gave the GIL up, and each
+could wait a whole switch interval to get it back (17 + 12 ms of a busy 128-page call,
 docs/performance.md). The arrays it fills are the ones ``fc_restore_run`` reads.
 
 1. Sort the chunks by (file, offset, tag, position) (``np.lexsort`` is stable: the same order).

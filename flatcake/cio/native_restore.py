@@ -213,7 +213,7 @@ class NativeRestore:
             eng.errors.report("read", errno_mod.errorcode.get(e, str(e)),
                               f"{path} @ {int(run['poff'][k]) + int(run['pgot'][k])}: {e}")
         st, idx = run["cstatus"], run["cidx"]
-        if st.tobytes().count(0) == st.shape[0]:  # no numpy pass over every chunk: it gives the GIL up
+        if st.tobytes().count(0) == st.shape[0]:  # (np.flatnonzero over every chunk gives the GIL up)
             return []
         bad = np.flatnonzero(st != 0)
         if not bad.shape[0]:

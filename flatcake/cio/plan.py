@@ -22,8 +22,8 @@ used to cost more CPU than the reads. Planning is vectorized (``np.lexsort`` + b
 Python loops run only over merged reads. :class:`ChunkBatch` is the one descriptor type of
 the planner and of :meth:`flatcake.cio.restore.RestoreEngine.restore`. The one-call restore
 (:mod:`flatcake.cio.native_restore`) makes the same plan in C (:mod:`flatcake.cio.native_plan_c`,
-tested array for array against this one): next to a busy Python thread each numpy operation
-over more than ~500 descriptors can wait a 5 ms switch interval for the GIL.
+tested array for array against this one): next to a busy Python thread each sort or gather
+here over a few thousand descriptors gives the GIL up and can wait a 5 ms switch interval.
 """
 
 from __future__ import annotations
