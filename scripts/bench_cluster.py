@@ -93,7 +93,8 @@ def _bandwidths(a, b, args) -> dict:
     sa, sb = a.must("stats"), b.must("stats")
     n = args.repeats + 1
     print(f"  remote SSD per read (mean of {n}): owner disk {sa['read_s'] / n * 1e3:.1f} ms, reader waiting "
-          f"{sb['ssd_wait_s'] / n * 1e3:.1f} ms, pulling {sb['ssd_pull_s'] / n * 1e3:.1f} ms", file=sys.stderr)
+          f"{sb['ssd_wait_s'] / n * 1e3:.1f} ms, pulling {sb['ssd_pull_s'] / n * 1e3:.1f} ms, checking and copying "
+          f"{sb['ssd_copy_s'] / n * 1e3:.1f} ms", file=sys.stderr)
     return {k: statistics.median(v) for k, v in runs.items()}
 
 

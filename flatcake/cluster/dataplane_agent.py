@@ -216,7 +216,7 @@ class DataPlaneAgent:
         """Reply: SSD server counters and the view's ``propagation_s`` samples."""
         s, r = self.dp.server, self.dp.reader.ssd
         return {"pieces_served": s.pieces_served, "requests": s.requests, "dropped": s.dropped, "read_s": s.read_s,
-                "ssd_wait_s": r.wait_s, "ssd_pull_s": r.pull_s,
+                "ssd_wait_s": r.wait_s, "ssd_pull_s": r.pull_s, "ssd_copy_s": r.copy_s,
                 "propagation_s": self.node.index.view.propagation_s()}
 
     def close(self) -> dict:

@@ -5,8 +5,9 @@ Lifecycle of one read::
     pages (from the cluster view, medium SSD, one owner)
       -> one ``read`` request with every chunk's SSD GVA range  (pyzmq DEALER -> owner's ROUTER)
       -> per ``ready`` piece: Transfer Engine pull of the owner's staging slot into a window of our
-         registered landing buffer (several pulls in flight), ``release`` the slot, check each
-         chunk against its record's xxh3-64 and copy it into its page
+         registered landing buffer (several pulls in flight), ``release`` the slot, start the pulls
+         of ``ready`` answers already queued, then check the piece's chunks against their records'
+         xxh3-64 (one GIL-free call) and copy the matching ones into their pages (:func:`copy_verified`)
       -> hit (every chunk arrived and matched) or miss per page (never other bytes)
 
 An owner silent for ``timeout_s`` (killed, cut off, overloaded) ends the read: every page not
@@ -25,8 +26,8 @@ import time
 from typing import Optional, Sequence
 
 import numpy as np
-import xxhash
 
+from flatcake.cio.xxh3_bulk import xxh3_at
 from flatcake.cluster.records import RemotePage
 from flatcake.cluster.transfer import DataPlaneDescriptor, LandingPool, RemoteReadResult, TransferEndpoint
 from flatcake.gva.address import MEDIUM_SSD, OFFSET_MASK, medium_of
@@ -37,6 +38,39 @@ log = logging.getLogger(__name__)
 #: entries). 4 MiB: with 1 MiB entries the pulls of a 32 MiB read took 85-128 ms, with 4 MiB
 #: entries 32-51 ms (bench_cluster.py, 2 x 4 MiB slots, 2026-12-01; docs/cluster.md)
 PULL_ENTRY_BYTES = 4 << 20
+
+
+def copy_verified(land: np.ndarray, starts: np.ndarray, rows_at: np.ndarray, want: np.ndarray,
+                  state: np.ndarray, rows: np.ndarray) -> None:
+    """Check chunks of a landing buffer against their checksums and copy the matching ones out.
+
+    Args:
+        land: uint8 landing buffer; starts: int64 ``[k]`` byte offsets of the chunks in ``land``.
+        rows_at: int64 ``[k]`` each chunk's row of ``rows`` (global chunk index, page * layers + layer).
+        want: uint64 ``[rows]`` expected xxh3-64 per row; state: int8 ``[rows]``, set to 1 (copied)
+            or -1 (mismatch, not copied) for each chunk.
+        rows: uint8 ``[rows, chunk_bytes]``, the destination (a page's chunks are consecutive rows).
+
+    One GIL-free C call hashes the ``k`` chunks (:func:`flatcake.cio.xxh3_bulk.xxh3_at`, the same
+    bits as ``xxhash.xxh3_64_intdigest``); matching chunks are copied as runs — consecutive in
+    ``land`` and evenly spaced in ``rows`` (a layer's chunks of consecutive pages) — one numpy
+    copy per run. Raises ValueError for an offset outside ``land`` (a caller's bug).
+    """
+    cb = rows.shape[1]
+    ok = xxh3_at(land, starts, cb) == want[rows_at]
+    state[rows_at] = np.where(ok, 1, -1)
+    s, g = starts[ok], rows_at[ok]
+    if not s.size:
+        return
+    ds, dg = np.diff(s), np.diff(g)
+    brk = (ds != cb) | (dg <= 0)
+    brk[1:] |= dg[1:] != dg[:-1]
+    ends = np.append(np.flatnonzero(brk) + 1, s.size).tolist()
+    a = 0
+    for b in ends:
+        step = int(dg[a]) if b - a > 1 else 1
+        rows[int(g[a]): int(g[b - 1]) + 1: step] = land[int(s[a]): int(s[a]) + (b - a) * cb].reshape(b - a, cb)
+        a = b
 
 
 class RemoteSsdReader:
@@ -66,6 +100,7 @@ class RemoteSsdReader:
         self.timeouts = 0
         self.wait_s = 0.0  # seconds waiting for the owner's answers
         self.pull_s = 0.0  # seconds in Transfer Engine pulls of staging slots
+        self.copy_s = 0.0  # seconds checking and copying pulled pieces out
 
     def close(self) -> None:
         """Close the sockets to the owners."""
@@ -171,26 +206,15 @@ class RemoteSsdReader:
 
     def _pump(self, desc: DataPlaneDescriptor, sock, rid: int, pieces: int, slot_bytes: int, copy: tuple) -> str:
         """Pull every ``ready`` piece into a free landing window, several pulls in flight at once;
-        each finished pull releases the owner's slot and its chunks are copied out."""
+        each finished pull releases the owner's slot, starts the pulls of answers already here,
+        and then its chunks are checked and copied out (while those pulls travel)."""
         free = list(range(self.landing.nbytes // slot_bytes))
         inflight: collections.deque = collections.deque()
-        left = pieces
-        while left or inflight:
+        left = [pieces]
+        while left[0] or inflight:
             # take every answer already here; block for one only when no pull is in flight
-            while left and free and (not inflight or sock.poll(0)):
-                t0 = time.perf_counter()
-                msg = self._recv(sock, rid)
-                self.wait_s += time.perf_counter() - t0
-                if msg is None:
-                    # the landing windows must be ours again first; a pull that failed may still land
-                    if not all([self.endpoint.wait(bid) for bid, _w, _b in inflight]):
-                        self.pool.retire()
-                    return self._timed_out(desc)
-                left -= 1
-                if msg[0] != "ready":
-                    continue  # "failed": the owner's disk refused that piece, its chunks stay missing
-                w = free.pop(0)
-                inflight.append((self._submit_pull(desc.te, w * slot_bytes, msg[1]), w, msg[1]))
+            if not self._take_ready(desc, sock, rid, slot_bytes, free, inflight, left, block=not inflight):
+                return self._silent(desc, inflight)
             if inflight:
                 bid, w, body = inflight.popleft()
                 t0 = time.perf_counter()
@@ -199,9 +223,39 @@ class RemoteSsdReader:
                 if not ok:  # owner gone or cut off: stop here, the rest are misses
                     return self._pull_failed(desc, inflight)
                 sock.send_multipart([b"release", json.dumps({"id": rid, "slot": body["slot"]}).encode()])
+                heard = self._take_ready(desc, sock, rid, slot_bytes, free, inflight, left, False)
+                t0 = time.perf_counter()
                 self._copy_out(w * slot_bytes, body["chunks"], *copy)
+                self.copy_s += time.perf_counter() - t0
                 free.append(w)
+                if not heard:
+                    return self._silent(desc, inflight)
         return "done"
+
+    def _silent(self, desc: DataPlaneDescriptor, inflight) -> str:
+        """The owner stayed silent: wait for our pulls in flight (the landing windows must be ours
+        again; a pull that failed may still land: quarantine the buffer) and time out."""
+        if not all([self.endpoint.wait(bid) for bid, _w, _b in inflight]):
+            self.pool.retire()
+        return self._timed_out(desc)
+
+    def _take_ready(self, desc, sock, rid: int, slot_bytes: int, free: list, inflight, left: list, block: bool) -> bool:
+        """Start a pull for each ``ready`` answer already here (the first one waited for when
+        ``block``), into free landing windows. Returns False when the owner stayed silent for
+        ``timeout_s``."""
+        while left[0] and free and (block or sock.poll(0)):
+            block = False
+            t0 = time.perf_counter()
+            msg = self._recv(sock, rid)
+            self.wait_s += time.perf_counter() - t0
+            if msg is None:
+                return False
+            left[0] -= 1
+            if msg[0] != "ready":
+                continue  # "failed": the owner's disk refused that piece, its chunks stay missing
+            w = free.pop(0)
+            inflight.append((self._submit_pull(desc.te, w * slot_bytes, msg[1]), w, msg[1]))
+        return True
 
     def _pull_failed(self, desc: DataPlaneDescriptor, inflight) -> str:
         """A pull failed: wait out the others, drop the socket (the owner drops the request when its
@@ -225,17 +279,10 @@ class RemoteSsdReader:
                   want: np.ndarray, state: np.ndarray) -> None:
         """Check each chunk of a pulled piece against its checksum (while other pulls are in flight)
         and copy the ones that match into their page."""
-        land = self.landing.array
-        mv = memoryview(land)
-        h = xxhash.xxh3_64_intdigest
-        for j, so in chunks:
-            g = int(dest[j])
-            src = base + so
-            if h(mv[src: src + chunk_bytes]) != int(want[g]):
-                state[g] = -1
-                continue
-            flat[g * chunk_bytes: (g + 1) * chunk_bytes] = land[src: src + chunk_bytes]
-            state[g] = 1
+        if not chunks:
+            return
+        jc = np.asarray(chunks, dtype=np.int64).reshape(-1, 2)
+        copy_verified(self.landing.array, base + jc[:, 1], dest[jc[:, 0]], want, state, flat.reshape(-1, chunk_bytes))
 
     def _timed_out(self, desc: DataPlaneDescriptor) -> str:
         self.timeouts += 1
