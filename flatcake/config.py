@@ -333,7 +333,7 @@ class ClusterConfig(_Section):
     timeout_s: float = Field(2.0, gt=0, description="seconds per etcd request")
     watch_idle_s: float = Field(10.0, gt=0, description="a silent index watch is re-opened after this many seconds")
     remote_timeout_s: float = Field(2.0, gt=0, description="seconds a remote read waits for an owner (data plane)")
-    staging_slots: int = Field(2, ge=2, le=64, description="slots of the ring remote SSD reads are served through")
+    staging_slots: int = Field(3, ge=2, le=64, description="slots of the ring remote SSD reads are served through")
     staging_slot_bytes: int = Field(16 << 20, ge=4096, le=1 << 30, description="bytes per staging slot")
     landing_bytes: int = Field(64 << 20, ge=8192, le=1 << 34, description="registered buffer remote reads land in")
 

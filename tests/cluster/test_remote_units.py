@@ -207,7 +207,7 @@ def test_data_plane_settings_are_validated_naming_the_field():
     from flatcake.config import ConfigError, load_config
 
     cfg = load_config(None, {"cluster.advertise": "10.78.0.10:5601"}).cluster
-    assert (cfg.staging_slots, cfg.staging_slot_bytes, cfg.landing_bytes, cfg.remote_timeout_s) == (2, 16 << 20, 64 << 20, 2.0)
+    assert (cfg.staging_slots, cfg.staging_slot_bytes, cfg.landing_bytes, cfg.remote_timeout_s) == (3, 16 << 20, 64 << 20, 2.0)
     assert split_advertise(cfg.advertise) == ("10.78.0.10", 5601)
     assert split_advertise("[fd00::1]:7000") == ("fd00::1", 7000)
     with pytest.raises(ConfigError, match=r"cluster\.advertise"):
