@@ -104,16 +104,6 @@ def xxh3_at(host: np.ndarray, starts, chunk_bytes: int) -> np.ndarray:
     for i, s in enumerate(st.tolist()):
         out[i] = h(mv[s: s + chunk_bytes])
     return out
-    if int(st.min()) < 0 or int(st.max()) + chunk_bytes > host.shape[0]:
-        raise ValueError(f"chunk offsets outside the {host.shape[0]}-byte buffer")
-    if native() and host.flags.c_contiguous:
-        _state["lib"].fc_xxh3_at(_state["addr"], host.ctypes.data, st.ctypes.data, n, chunk_bytes, out.ctypes.data)
-        return out
-    mv = memoryview(host)
-    h = xxhash.xxh3_64_intdigest
-    for i, s in enumerate(st.tolist()):
-        out[i] = h(mv[s: s + chunk_bytes])
-    return out
 
 
 __all__ = ["native", "warm_up", "xxh3_at"]
