@@ -167,12 +167,16 @@ class NativeRestore:
         staging buffer addresses. ``None`` when the plan refuses (a bad descriptor, a read
         longer than the staging buffer: the Python pipeline raises)."""
         eng, n = self.engine, len(chunks)
-        mp, mb = n * max(1, eng.cfg.io_workers), n
-        r = {k: np.zeros(mp, dtype=np.int64) for k in ("pfile", "poff", "plen", "paddr", "pbatch", "pgot", "perr")}
-        r.update({k: np.zeros(mb, dtype=np.int64) for k in ("rest_lo", "rest_hi", "bbase", "left")})
-        r.update({k: np.zeros(n, dtype=np.int64) for k in ("cb0", "ck0", "ck1", "cidx")})
-        r["own_lo"] = np.zeros(mp + 1, dtype=np.int64)
-        r["cstatus"], r["done"], out = np.zeros(n, dtype=np.uint8), np.zeros(mb, dtype=np.uint8), np.zeros(8, np.int64)
+        mp = n * max(1, eng.cfg.io_workers)  # pieces at most (batches: n at most)
+        # two np.empty: np.zeros of more than 1 KiB gives the GIL up (calloc); the C plan fills
+        # every entry that is read, the rest is zeroed below over the actual sizes
+        words, u8 = np.empty(8 * mp + 1 + 8 * n + 8, dtype=np.int64), np.empty(2 * n, dtype=np.uint8)
+        sizes = [(k, mp) for k in ("pfile", "poff", "plen", "paddr", "pbatch", "pgot", "perr")] + [("own_lo", mp + 1)] + \
+            [(k, n) for k in ("rest_lo", "rest_hi", "bbase", "left", "cb0", "ck0", "ck1", "cidx")] + [("out", 8)]
+        r, at = {}, 0
+        for k, size in sizes:
+            r[k], at = words[at: at + size], at + size
+        r["cstatus"], r["done"], out = u8[:n], u8[n:], r.pop("out")
         rc = LOOP.fn().plan(n, *(_a(x) for x in (chunks.file_index, chunks.offset, chunks.tag, chunks.layer)),
                             eng.chunk_bytes, eng.cfg.gap_bytes, eng.max_io_bytes, ALIGN, eng.staging_bytes,
                             eng.cfg.io_workers, engines.MIN_PIECE_BYTES, bufs[0], bufs[1],
@@ -187,6 +191,7 @@ class NativeRestore:
         for k in ("rest_lo", "rest_hi", "bbase", "left", "done"):
             r[k] = r[k][:nb]
         r["own_lo"] = r["own_lo"][:npc + 1]
+        r["pgot"][:], r["perr"][:], r["done"][:] = 0, 0, 0
         r.update(nb=nb, reads=int(out[2]), bytes_read=int(out[3]))
         return r
 
