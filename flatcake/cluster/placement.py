@@ -39,6 +39,7 @@ import threading
 import time
 from typing import Optional
 
+from flatcake.align import align_up
 from flatcake.cluster.etcd import EtcdSession
 from flatcake.cluster.guest import STORE_VERB, STORED_VERB, GuestStore, geometry_message, pack_pages
 from flatcake.cluster.peers import PeerDirectory
@@ -174,7 +175,7 @@ class RemotePlacer:
         """Send the round in outbox-sized parts; returns the pages the target stored (a leading run)."""
         g, per, done = self.geometry, self.pages_per_shipment(), 0
         if self._outbox is None:
-            self._outbox = RegisteredBuffer(self.endpoint, _round_up(per * g.page_bytes))
+            self._outbox = RegisteredBuffer(self.endpoint, align_up(per * g.page_bytes))
         for a in range(0, len(keys), per):
             part, src = keys[a: a + per], src_pages[a: a + per]
             m = len(part)
@@ -235,10 +236,6 @@ class RemotePlacer:
             self._socks.clear()
 
 
-def _round_up(n: int, a: int = 4096) -> int:
-    return -(-n // a) * a
-
-
 def start_placement(member) -> RemotePlacer:
     """Wire write-time placement into a started :class:`~flatcake.cluster.member.ClusterMember`:
     the ``store`` verb on its owner server (this node takes other nodes' rounds) and the store's
@@ -250,7 +247,7 @@ def start_placement(member) -> RemotePlacer:
     plane, cfg = member.plane, member.cluster_cfg
     if plane.server is None:
         raise ValueError("write-time placement needs the data plane's owner server (an SSD pool)")
-    guest = GuestStore(member.store, plane.endpoint, _round_up(cfg.landing_bytes), member.node_id,
+    guest = GuestStore(member.store, plane.endpoint, align_up(cfg.landing_bytes), member.node_id,
                        after_store=member.node.coordinator.publish)
     plane.server.add_handler(STORE_VERB, guest.handle)
     placer = RemotePlacer(cfg, member.node_id, member.node.coordinator, member.node.index, plane.endpoint,
