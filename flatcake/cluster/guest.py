@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from flatcake.cio.pagecopy import gather_pages
-from flatcake.cluster.remote_ssd_reader import PULL_ENTRY_BYTES
+from flatcake.cluster.remote_ssd_reader import pull_entries
 from flatcake.cluster.transfer import LandingPool, TransferEndpoint, page_checksums, verify_landed
 from flatcake.layout import KvPageLayout, PageGeometry
 
@@ -83,18 +83,6 @@ def pack_pages(layout, src_pages, g: PageGeometry, out: np.ndarray) -> np.ndarra
     for layer in range(g.layers):
         gather_pages(layout, ids, layer, t[:, layer])
     return page_checksums(arr.reshape(m, g.page_bytes), g.layers, g.chunk_bytes)
-
-
-def pull_entries(local: int, remote: int, nbytes: int) -> tuple[list, list, list]:
-    """``(local, remote, lengths)`` Transfer Engine entries of at most ``PULL_ENTRY_BYTES``
-    covering ``nbytes`` bytes from ``remote`` to ``local``."""
-    lo, re, ln = [], [], []
-    for off in range(0, nbytes, PULL_ENTRY_BYTES):
-        k = min(PULL_ENTRY_BYTES, nbytes - off)
-        lo.append(local + off)
-        re.append(remote + off)
-        ln.append(k)
-    return lo, re, ln
 
 
 class GuestStore:

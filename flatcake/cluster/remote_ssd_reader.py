@@ -40,6 +40,14 @@ log = logging.getLogger(__name__)
 PULL_ENTRY_BYTES = 4 << 20
 
 
+def pull_entries(local: int, remote: int, nbytes: int) -> tuple[list, list, list]:
+    """``(local, remote, lengths)`` Transfer Engine entries of at most :data:`PULL_ENTRY_BYTES`
+    covering ``nbytes`` bytes from ``remote`` to ``local`` (addresses in bytes): how a staging
+    slot is pulled here and how a placed round is pulled by its target (:mod:`flatcake.cluster.guest`)."""
+    offs = range(0, nbytes, PULL_ENTRY_BYTES)
+    return [local + o for o in offs], [remote + o for o in offs], [min(PULL_ENTRY_BYTES, nbytes - o) for o in offs]
+
+
 def copy_verified(land: np.ndarray, starts: np.ndarray, rows_at: np.ndarray, want: np.ndarray,
                   state: np.ndarray, rows: np.ndarray) -> None:
     """Check chunks of a landing buffer against their checksums and copy the matching ones out.
@@ -270,10 +278,7 @@ class RemoteSsdReader:
     def _submit_pull(self, peer: str, offset: int, body: dict) -> int:
         """Start pulling a ``ready`` slot into the landing buffer at ``offset``, as entries of at
         most :data:`PULL_ENTRY_BYTES` (the engine moves several at once). Returns the batch id."""
-        used, addr = int(body["used"]), int(body["addr"])
-        offs = range(0, used, PULL_ENTRY_BYTES)
-        return self.endpoint.submit(peer, [self.landing.addr + offset + o for o in offs], [addr + o for o in offs],
-                                    [min(PULL_ENTRY_BYTES, used - o) for o in offs])
+        return self.endpoint.submit(peer, *pull_entries(self.landing.addr + offset, int(body["addr"]), int(body["used"])))
 
     def _copy_out(self, base: int, chunks: list, flat: np.ndarray, dest: np.ndarray, chunk_bytes: int,
                   want: np.ndarray, state: np.ndarray) -> None:
