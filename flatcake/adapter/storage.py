@@ -343,6 +343,17 @@ class FlatCakeStorage(HybridPoolsMixin, HiCacheStorage):
         except Exception as e:
             self.errors("clear", e)
 
+    def flush_writes(self, timeout_s: float = 10.0) -> bool:
+        """Wait until the pages stored so far are on their medium (the write queue drained) and,
+        in a cluster, their rounds are committed to the index (tests, the replay's nodes).
+        Returns False after ``timeout_s`` seconds per stage (seconds) or before registration."""
+        if self.store is None:
+            return False
+        ok = self.store.flush_writes(timeout_s)
+        if self.cluster is not None:
+            ok = self.cluster.flush(timeout_s) and ok
+        return bool(ok)
+
     def close(self) -> None:
         """Release files, staging buffers and pinned memory (of the v2 extra pools too)."""
         self.close_extra_pools()

@@ -171,10 +171,7 @@ class StorageAgent:
 
     def flush(self, timeout_s: float = 10.0) -> dict:
         """Drain the write queue, then commit the queued cluster publications."""
-        ok = self.be.store.flush_writes(timeout_s)
-        if self.be.cluster is not None:
-            ok = self.be.cluster.flush(timeout_s) and ok
-        return {"flushed": bool(ok)}
+        return {"flushed": self.be.flush_writes(timeout_s)}
 
     def stats(self) -> dict:
         """``flatcake_stats()``."""

@@ -85,12 +85,7 @@ class ReplayNode:
         a trace's next request comes seconds later, far more than a write round takes, and one
         request at a time leaves no such gap. In a cluster the store publishes a round once it is
         written, so the next request, on any node, can find it."""
-        store = getattr(self.system.inner, "store", None)
-        if store is not None:
-            store.flush_writes(SETTLE_TIMEOUT_S)
-        member = self._member()
-        if member is not None:  # the rounds queued for etcd, committed
-            member.flush(SETTLE_TIMEOUT_S)
+        self.system.inner.flush_writes(SETTLE_TIMEOUT_S)  # and, in a cluster, the rounds committed to etcd
 
     def _member(self):
         """The backend's :class:`~flatcake.cluster.member.ClusterMember`, or None (no cluster)."""
