@@ -58,7 +58,7 @@ def _build():
     if lib is None:
         return None, why
     fn, plan = lib.fc_restore_run, lib.fc_restore_plan
-    fn.argtypes = [_P, _I64, _I64, _I64, _I64] + [_P] * 7 + [_I64] + [_P] * 12 + [_I64] * 4 + [_P] * 8
+    fn.argtypes = [_P, _I64, _I64, _I64, _I64] + [_P] * 7 + [_I64] + [_P] * 12 + [_I64] * 4 + [_P] * 8 + [_I64]
     fn.restype = _I64
     # the plan (~0.1 ms for 2,048 chunks) keeps the GIL: giving it up next to a thread burning
     # Python CPU could cost a 5 ms switch interval to get back
@@ -106,6 +106,8 @@ class NativeRestore:
         self.engine = engine
         self.posix = posix
         LOOP.fn()  # compiled here, at start-up (~0.1 s once per process), not in the first restore
+        #: threads of the last call that ran in Linux's SCHED_IDLE class (``cio.thread_policy``)
+        self.idle_threads = 0
 
     def restore(self, chunks: ChunkBatch, layout):
         """One restore call (arguments already checked); returns a
@@ -131,14 +133,15 @@ class NativeRestore:
             fds = self.posix.shared_fds(sorted(set(run["pfile"].tolist())))
             try:
                 pfd = np.array([fds[fi][0] for fi in run["pfile"].tolist()], dtype=np.int64)
-                fn(int(self.posix.direct_io), max(1, min(eng.cfg.io_workers, len(pfd))), CPU_THREADS, len(pfd), _a(pfd),
+                nthreads = max(1, min(eng.cfg.io_workers, len(pfd)))
+                self.idle_threads = fn(int(self.posix.direct_io), nthreads, CPU_THREADS, len(pfd), _a(pfd),
                    *(_a(run[k]) for k in ("poff", "plen", "paddr", "pbatch", "pgot", "perr")), run["nb"],
                    *(_a(run[k]) for k in ("own_lo", "rest_lo", "rest_hi", "cb0", "bbase", "ck0", "ck1", "cidx")),
                    *(_a(np.ascontiguousarray(x)) for x in (chunks.page, chunks.layer, chunks.checksum,
                                                            chunks.has_checksum)),
                    int(bool(eng.cfg.verify_checksums)), eng.chunk_bytes, table[0].shape[1], layout.geometry.page_size,
                    _a(geo["plane_off"]), _a(geo["plane_rb"]), *(_a(np.ascontiguousarray(t)) for t in table),
-                   *(_a(run[k]) for k in ("cstatus", "left", "done")))
+                   *(_a(run[k]) for k in ("cstatus", "left", "done")), int(eng.cfg.thread_policy == "idle"))
                 refused = bool((run["perr"] == errno_mod.EINVAL).any()) and self.posix.direct_io
             finally:
                 self.posix.release_shared(refuse_direct=refused)

@@ -7,14 +7,20 @@ the GIL. A thread that read a piece verifies and scatters the chunks lying wholl
 thread that finishes a batch's last piece handles the chunks straddling two of its pieces. The
 pieces of batch ``b`` start only after batch ``b - 2`` (same buffer) is wholly scattered. At
 most ``cpu_threads`` threads verify and copy at once (the others keep reading), so a core stays
-free for the process's Python threads.
+free for the process's Python threads. With ``idle`` set, the call's threads are all new ones,
+each switched to Linux's ``SCHED_IDLE`` class before it works (the calling thread only waits, so
+its own class is never touched): any other thread that wakes (SGLang's scheduler loop) takes
+their core at once instead of waiting out a time slice. The call returns how many threads did
+switch (0 when ``idle`` is off, or where the kernel refused).
 
 Chunk status out: 0 delivered, 1 not fully read (short read, EOF, I/O error), 2 checksum
 mismatch. Piece errors out: 0, an errno, or -1 for end of file.
 """
 
 SOURCE = r"""
+#define _GNU_SOURCE
 #include <stdint.h>
+#include <sched.h>
 #include <string.h>
 #include <errno.h>
 #include <pthread.h>
@@ -34,6 +40,7 @@ typedef struct {
     int64_t next; int64_t *left; uint8_t *done;
     pthread_mutex_t mu; pthread_cond_t cv;
     int64_t cpu_free; pthread_mutex_t cmu; pthread_cond_t ccv;  /* threads copying/hashing at once */
+    int64_t idle, idled;  /* SCHED_IDLE wanted; threads that switched (under mu) */
 } job_t;
 
 static void cpu_take(job_t *j) {
@@ -126,6 +133,19 @@ static void *worker(void *arg) {
     return 0;
 }
 
+static void *spawned(void *arg) {
+    job_t *j = (job_t *)arg;
+    if (j->idle) {  /* pid 0 = this thread only; it ends with the call */
+        struct sched_param sp = {0};
+        if (sched_setscheduler(0, SCHED_IDLE, &sp) == 0) {
+            pthread_mutex_lock(&j->mu);
+            j->idled++;
+            pthread_mutex_unlock(&j->mu);
+        }
+    }
+    return worker(arg);
+}
+
 int64_t fc_restore_run(void *h, int64_t direct, int64_t nthreads, int64_t cpu_threads,
                        int64_t np, const int64_t *pfd, const int64_t *poff, const int64_t *plen,
                        const int64_t *paddr, const int64_t *pbatch, int64_t *pgot, int64_t *perr,
@@ -135,7 +155,7 @@ int64_t fc_restore_run(void *h, int64_t direct, int64_t nthreads, int64_t cpu_th
                        const uint64_t *want, const uint8_t *has, int64_t verify,
                        int64_t cb, int64_t J, int64_t P, const int64_t *plane_off, const int64_t *plane_rb,
                        const int64_t *tb, const int64_t *ts0, const int64_t *ts1, uint8_t *cstatus,
-                       int64_t *left, uint8_t *done) {
+                       int64_t *left, uint8_t *done, int64_t idle) {
     job_t j = {(xxh3_fn)h, direct, np, pfd, poff, plen, paddr, pbatch, pgot, perr, nb, own_lo, rest_lo, rest_hi,
                cb0, bbase, ck0, ck1, cidx, page, layer, want, has, verify, cb, J, P, plane_off, plane_rb,
                tb, ts0, ts1, cstatus, 0, left, done};
@@ -144,15 +164,16 @@ int64_t fc_restore_run(void *h, int64_t direct, int64_t nthreads, int64_t cpu_th
     j.cpu_free = cpu_threads < 1 ? 1 : cpu_threads;
     pthread_mutex_init(&j.cmu, 0);
     pthread_cond_init(&j.ccv, 0);
+    j.idle = idle; j.idled = 0;
     pthread_t th[64];
     int64_t n = nthreads < 1 ? 1 : (nthreads > 64 ? 64 : nthreads), started = 0;
-    for (int64_t t = 1; t < n; t++) if (pthread_create(&th[started], 0, worker, &j) == 0) started++;
-    worker(&j);  /* the calling thread works too */
+    for (int64_t t = idle ? 0 : 1; t < n; t++) if (pthread_create(&th[started], 0, spawned, &j) == 0) started++;
+    if (!idle || started == 0) worker(&j);  /* the calling thread works too (in its own class) */
     for (int64_t t = 0; t < started; t++) pthread_join(th[t], 0);
     pthread_mutex_destroy(&j.mu);
     pthread_cond_destroy(&j.cv);
     pthread_mutex_destroy(&j.cmu);
     pthread_cond_destroy(&j.ccv);
-    return 0;
+    return j.idled;
 }
 """

@@ -128,3 +128,30 @@ def test_shared_fds_of_a_forgotten_file_close_after_the_last_restore_released_th
         eng.release_shared()
     finally:
         eng.close()
+
+
+@pytest.mark.parametrize("policy,idle", [("idle", 3), ("normal", 0)])
+def test_thread_policy_idle_runs_every_reader_in_sched_idle_and_leaves_the_caller_as_it_was(
+        ext4_dir, monkeypatch, policy, idle):
+    # cio.thread_policy idle: all io_workers (3) are new threads switched to SCHED_IDLE (SGLang's
+    # scheduler thread takes their core at once when it wakes); the calling thread only waits
+    seen = []
+    real = native_restore.NativeRestore.restore
+
+    def wrapped(self, chunks, layout):
+        rep = real(self, chunks, layout)
+        seen.append((rep, self.idle_threads, os.sched_getscheduler(0)))
+        return rep
+
+    monkeypatch.setattr(native_restore.NativeRestore, "restore", wrapped)
+    monkeypatch.setattr(engines_mod, "MIN_PIECE_BYTES", 4096)
+    pool, lay = make_pool("mha", "layer_first", pages=N)
+    cb = lay.geometry.chunk_bytes
+    data = write_extent(os.path.join(ext4_dir, "f0"), N, LAYERS, cb, seed=35)
+    chunks = extent_chunks(data, 0, N, LAYERS, cb)
+    before = os.sched_getscheduler(0)
+    with engine(ext4_dir, cb, staging_bytes=8192, thread_policy=policy) as eng:
+        rep = eng.restore(chunks, lay)
+    assert rep.failed_tags == frozenset() and rep.io_requests >= 3
+    assert [(s[1], s[2]) for s in seen] == [(idle, before)]
+    assert torch.equal(kv_bytes(pool), reference("mha", "layer_first", N, data, chunks))
