@@ -37,7 +37,7 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_common import write_json  # noqa: E402
+from bench_common import cluster_refusal, write_json  # noqa: E402
 from flatcake.config import ClusterConfig  # noqa: E402
 
 
@@ -129,9 +129,6 @@ def run(args) -> dict:
 
 def main(argv=None) -> int:
     """Parse arguments, run, print the summary; returns the exit status (2: cannot run here)."""
-    from flatcake.cluster.netns import unavailable_reason
-    from flatcake.cluster.transfer import te_unavailable_reason
-
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--pages", type=int, default=128, help="pages per read (default 128: SGLang's batch)")
     ap.add_argument("--layers", type=int, default=4, help="chunks per page (default 4)")
@@ -146,10 +143,9 @@ def main(argv=None) -> int:
     ap.add_argument("--dir", default=tempfile.gettempdir(), help="where the temporary SSD pool files go")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args(argv)
-    reason = unavailable_reason() or te_unavailable_reason()
-    if reason:
-        print(f"bench_cluster: cannot run here: {reason}", file=sys.stderr)
-        return 2
+    refused = cluster_refusal("bench_cluster")
+    if refused is not None:
+        return refused
     def _on_signal(signum, frame):  # SIGTERM tears the cluster down as Ctrl-C does
         raise KeyboardInterrupt
 

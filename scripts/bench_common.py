@@ -170,3 +170,19 @@ def pool_digest(pool) -> int:
     import xxhash
 
     return xxhash.xxh3_64_intdigest(pool.kv_buffer.view(torch.uint8).numpy())
+
+
+def cluster_refusal(script: str) -> Optional[int]:
+    """For the cluster benchmarks: ``None`` when this machine can run a local cluster (root,
+    network namespaces, the Mooncake Transfer Engine), else prints ``<script>: cannot run here:
+    <reason>`` to stderr and returns 2 (the exit status)."""
+    import sys
+
+    from flatcake.cluster.netns import unavailable_reason
+    from flatcake.cluster.transfer import te_unavailable_reason
+
+    reason = unavailable_reason() or te_unavailable_reason()
+    if reason:
+        print(f"{script}: cannot run here: {reason}", file=sys.stderr)
+        return 2
+    return None

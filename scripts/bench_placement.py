@@ -29,7 +29,7 @@ import tempfile
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_common import write_json  # noqa: E402
+from bench_common import cluster_refusal, write_json  # noqa: E402
 
 
 def _start(cluster, root, args):
@@ -96,9 +96,6 @@ def run(args) -> dict:
 
 def main(argv=None) -> int:
     """Parse arguments, run, print the summary; returns the exit status (2: cannot run here)."""
-    from flatcake.cluster.netns import unavailable_reason
-    from flatcake.cluster.transfer import te_unavailable_reason
-
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--pages", type=int, default=128, help="pages per round (default 128: SGLang's batch)")
     ap.add_argument("--layers", type=int, default=8, help="layers per page (default 8)")
@@ -107,10 +104,9 @@ def main(argv=None) -> int:
     ap.add_argument("--dir", default=tempfile.gettempdir(), help="where the temporary SSD pool files go")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args(argv)
-    reason = unavailable_reason() or te_unavailable_reason()
-    if reason:
-        print(f"bench_placement: cannot run here: {reason}", file=sys.stderr)
-        return 2
+    refused = cluster_refusal("bench_placement")
+    if refused is not None:
+        return refused
     out = run(args)
     print(f"{args.pages} pages x {out['round_bytes'] // args.pages // 1024} KiB per round, {args.repeats} repeats:")
     print(f"  local put on B (queued)   {out['local_put_ms']} ms")

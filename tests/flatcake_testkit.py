@@ -112,3 +112,20 @@ def slow_read_in_background(be, pool, keys, pages, delay_s: float = 0.3):
     t.start()
     started.wait(5)
     return t, results
+
+
+def record_local_clusters(monkeypatch) -> list:
+    """Makes every :class:`flatcake.cluster.netns.LocalCluster` started from now on (this test)
+    append itself to the returned list, so the test can check afterwards that none left a
+    network namespace or its /dev/shm data root behind."""
+    import flatcake.cluster.netns as netns
+
+    made: list = []
+
+    class Recorded(netns.LocalCluster):
+        def start(self):
+            made.append(self)
+            return super().start()
+
+    monkeypatch.setattr(netns, "LocalCluster", Recorded)
+    return made

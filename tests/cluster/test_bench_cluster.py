@@ -19,6 +19,7 @@ pytest.importorskip("zmq", reason="pyzmq is not installed")
 from flatcake.cluster import netns  # noqa: E402
 from flatcake.cluster.netns import unavailable_reason  # noqa: E402
 from flatcake.cluster.transfer import te_unavailable_reason  # noqa: E402
+from flatcake_testkit import record_local_clusters  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 bench_cluster = importlib.import_module("bench_cluster")
@@ -28,14 +29,7 @@ def test_bench_cluster_writes_the_issue_json_and_leaves_nothing(tmp_path, monkey
     reason = unavailable_reason() or te_unavailable_reason()
     if reason:
         pytest.skip(reason)
-    made = []
-
-    class Recorded(netns.LocalCluster):
-        def start(self):
-            made.append(self)
-            return super().start()
-
-    monkeypatch.setattr(netns, "LocalCluster", Recorded)
+    made = record_local_clusters(monkeypatch)
     out = tmp_path / "cluster.json"
     rc = bench_cluster.main(["--pages", "8", "--chunk-kib", "16", "--slot-mib", "1", "--repeats", "1",
                              "--rounds", "3", "--dir", str(tmp_path), "--json", str(out)])

@@ -20,6 +20,7 @@ import pytest
 from flatcake.replay import cli, cluster_replay
 from flatcake.replay.cluster_replay import conversations, node_keys, route
 from flatcake.replay.traces import load_trace
+from flatcake_testkit import record_local_clusters
 from replay_fixtures import FIXTURES
 
 TRACE = FIXTURES / "two_conversations_4turns.jsonl"
@@ -117,14 +118,7 @@ def clusters(monkeypatch):
         pytest.skip(reason)
     import flatcake.cluster.netns as netns
 
-    made = []
-
-    class Recorded(netns.LocalCluster):
-        def start(self):
-            made.append(self)
-            return super().start()
-
-    monkeypatch.setattr(netns, "LocalCluster", Recorded)
+    made = record_local_clusters(monkeypatch)
     yield made
     for c in made:
         assert netns.leftover_namespaces(c.name) == [], f"namespaces of {c.name} left behind"
