@@ -5,16 +5,31 @@ The shapes, ``get_page_buffer_meta``, ``get_data_page``, ``set_from_flat_data_pa
 ``get_dummy_flat_data_page`` follow ``sglang/srt/mem_cache/pool_host/mha.py`` and ``mla.py``
 line for line (layouts ``layer_first``, ``page_first``, ``page_first_direct``). The real pools
 cannot be imported on a CPU-only machine (see ``docs/design.md``); the replay engine model and
-the tests use these.
+the tests use these. Their KV buffers are anonymous ``mmap`` s, page-aligned and zero-filled, as
+SGLang's default ``HostTensorAllocator`` (``alloc_mmap``) allocates the real pools' buffers.
 """
 
 from __future__ import annotations
 
+import math
+import mmap
+
+import numpy as np
 import torch
 
 from flatcake.layout import SUPPORTED_LAYOUTS
 
 _LAYOUTS = SUPPORTED_LAYOUTS  # the layouts SGLang 0.5.23 pairs with an L3 backend that FlatCake reads
+
+
+def alloc_mmap(dims: tuple, dtype: torch.dtype) -> torch.Tensor:
+    """A zero-filled CPU tensor of ``dims`` and ``dtype`` in an anonymous mapping (address
+    ≡ 0 mod the OS page size), as SGLang 0.5.23's ``alloc_mmap`` (the tensor keeps it mapped)."""
+    nbytes = math.prod(dims) * torch.empty([], dtype=dtype).element_size()
+    if nbytes == 0:
+        return torch.zeros(dims, dtype=dtype)
+    arr = np.frombuffer(mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS), dtype=np.uint8)
+    return torch.from_numpy(arr).view(dtype).reshape(dims)
 
 
 class _HostPoolBase:
@@ -55,7 +70,7 @@ class MHAHostPoolDouble(_HostPoolBase):
             dims = (2, self.size, self.layer_num, self.head_num, self.head_dim)
         else:
             dims = (2, self.page_num, self.layer_num, self.page_size, self.head_num, self.head_dim)
-        return torch.zeros(dims, dtype=self.dtype)
+        return alloc_mmap(dims, self.dtype)
 
     def get_size_per_token(self):
         return (self.head_dim + self.v_head_dim) * self.head_num * self.layer_num * self.dtype.itemsize
@@ -129,7 +144,7 @@ class MLAHostPoolDouble(_HostPoolBase):
             dims = (self.size, self.layer_num, 1, self.kv_cache_dim)
         else:
             dims = (self.page_num, self.layer_num, self.page_size, 1, self.kv_cache_dim)
-        return torch.zeros(dims, dtype=self.dtype)
+        return alloc_mmap(dims, self.dtype)
 
     def get_size_per_token(self):
         return self.kv_cache_dim * self.dtype.itemsize * self.layer_num

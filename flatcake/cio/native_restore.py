@@ -18,7 +18,10 @@ python-xxhash library's own ``XXH3_64bits``) matches; a failed chunk's slots are
 its tag reported; I/O errors are logged once with their errno. Used for the POSIX engine on
 host staging with host layouts whose token rows are contiguous; anything else (kvikio, CUDA
 staging, reads-only mode, an O_DIRECT refusal at read time, no C compiler,
-``FLATCAKE_NATIVE_RESTORE=0``) takes the Python pipeline.
+``FLATCAKE_NATIVE_RESTORE=0``) takes the Python pipeline. Where every chunk's planes are
+contiguous and aligned in the slots (``layer_first``, ``page_first_direct``), the call reads
+straight into them instead (:mod:`flatcake.cio.native_zero_copy`; ``FLATCAKE_ZERO_COPY=0``:
+this staging path), where a failed chunk's slots hold undefined bytes.
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ from flatcake.align import ALIGN
 from flatcake.cio import engines
 from flatcake.cio.native_plan_c import PLAN_SOURCE
 from flatcake.cio.native_restore_c import SOURCE
+from flatcake.cio.native_zero_copy import ARGTYPES as ZC_ARGTYPES, ZeroCopy
+from flatcake.cio.native_zero_copy_c import ZC_SOURCE
 from flatcake.cio.plan import ChunkBatch, batch_reads, plan_reads
 from flatcake.cio.xxh3_bulk import xxh3_address
 from flatcake.native_loop import NativeLoop, compile_shim
@@ -54,7 +59,7 @@ def _build():
     addr, why = xxh3_address()
     if addr is None:
         return None, why
-    lib, why = compile_shim(SOURCE + PLAN_SOURCE, "restore", (("-O2", "-pthread"), ("-O2",)))
+    lib, why = compile_shim(SOURCE + PLAN_SOURCE + ZC_SOURCE, "restore", (("-O2", "-pthread"), ("-O2",)))
     if lib is None:
         return None, why
     fn, plan = lib.fc_restore_run, lib.fc_restore_plan
@@ -67,7 +72,9 @@ def _build():
     def run(*a):
         return fn(addr, *a)
 
-    run.plan = plan  # the closure and the attribute keep the library loaded
+    zc = lib.fc_zc_run  # the zero-copy restore (flatcake.cio.native_zero_copy)
+    zc.argtypes, zc.restype = ZC_ARGTYPES, _I64
+    run.plan, run.zc = plan, zc  # the closure and the attributes keep the library loaded
     return run, ""
 
 
@@ -108,6 +115,8 @@ class NativeRestore:
         LOOP.fn()  # compiled here, at start-up (~0.1 s once per process), not in the first restore
         #: threads of the last call that ran in Linux's SCHED_IDLE class (``cio.thread_policy``)
         self.idle_threads = 0
+        #: restores read straight into the slots (``zero_copy.calls``; :mod:`flatcake.cio.native_zero_copy`)
+        self.zero_copy = ZeroCopy(self)
 
     def restore(self, chunks: ChunkBatch, layout):
         """One restore call (arguments already checked); returns a
@@ -119,6 +128,9 @@ class NativeRestore:
         table = dst_table(layout) if fn is not None else None
         if table is None or chunks.nbytes != eng.chunk_bytes or eng.cfg.gap_bytes < 0 or eng.max_io_bytes < ALIGN:
             return None  # (the Python plan raises where these are errors)
+        rep = self.zero_copy.restore(chunks, layout, table)
+        if rep is not None:
+            return rep
         t_wait = time.perf_counter()
         win = eng.staging.acquire()
         t0 = time.perf_counter()
@@ -153,7 +165,7 @@ class NativeRestore:
         for k, fi in enumerate(run["pfile"].tolist()):  # a file that did not open: its own errno
             if fds[fi][0] < 0:
                 run["perr"][k] = fds[fi][1]
-        failed = self._failures(run, chunks)
+        failed = self.failures(run, chunks)
         n, nread = len(chunks), run["bytes_read"]
         return RestoreReport(failed_tags=frozenset(failed), pages=len(set(chunks.page.tolist())), chunks=n,
                              merged_reads=run["reads"], bytes_read=nread,
@@ -211,9 +223,11 @@ class NativeRestore:
         r.update(nb=len(sts), reads=len(plan.reads), bytes_read=plan.bytes_read)
         return r
 
-    def _failures(self, run: dict, chunks: ChunkBatch) -> list[int]:
+    def failures(self, run: dict, chunks: ChunkBatch) -> list[int]:
         """Tags of the chunks not delivered; each I/O error, short chunk and checksum mismatch
-        reported to the error-once log (loops only over failures)."""
+        reported to the error-once log (loops only over failures). ``run``: piece arrays
+        ``perr``, ``pfile``, ``poff``, ``pgot``; chunk arrays ``cstatus``, ``cidx`` (position in
+        ``chunks``), ``ck0``/``ck1`` (first and last piece holding it)."""
         eng = self.engine
         for k in np.flatnonzero(run["perr"] > 0).tolist():
             e = int(run["perr"][k])
