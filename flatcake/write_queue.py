@@ -40,6 +40,7 @@ import numpy as np
 import torch
 
 from flatcake.gva.address import encode_gva
+from flatcake.gva.index import pin_entries
 from flatcake.media.directio import AlignedBuffer
 
 #: GVA medium code of a page served from the write queue's buffer (in-memory copy of a round not
@@ -199,8 +200,23 @@ class WriteQueue:
         :meth:`~flatcake.gva.scopes.ScopeTable.pin_leading_run`): a page waiting in the queue
         as a :class:`QueuedPage` (its round's buffer held until :meth:`release`), else its
         published index entry. The queue is asked first: a round leaves it only after its SSD
-        entries are published, so a page moving to disk is never missed. The caller unpins the
-        scopes and then calls :meth:`release` with the same entries."""
+        entries are published, so a page moving to disk is never missed. Scopes are pinned once
+        per run of one scope's pages (:func:`~flatcake.gva.index.pin_entries`), up to the first
+        retired one. The caller unpins the scopes and then calls :meth:`release` with the same
+        entries."""
+        out = self._leading_entries(keys, index)
+        n = pin_entries(out)
+        if n < len(out):  # a scope retired since the lookup ends the run
+            self.release(out[n:])
+            del out[n:]
+        return out
+
+    def _leading_entries(self, keys: Sequence[str], index) -> list:
+        """The leading run of stored ``keys``, not pinned: queued pages (their round's buffer
+        held) first, else index entries. Nothing queued now (the common restore): the index
+        alone, since a page that enters the queue later is published only after it leaves."""
+        if not self._pending:
+            return index.leading_entries(keys)
         out: list = []
         get = index.get
         for k in keys:
@@ -214,18 +230,15 @@ class WriteQueue:
                 e = get(k)
                 if e is None:
                     break
-            if not e.scope.try_acquire():
-                self.release([e])
-                break
             out.append(e)
         return out
 
     def release(self, entries: Sequence) -> None:
         """End the reads of :meth:`pin_leading_run`'s queued pages (other entries are
         ignored): a round that left the queue gives its buffer back once its last reader ends."""
-        jobs = [e.job for e in entries if isinstance(e, QueuedPage)]
-        if not jobs:
+        if not any(issubclass(t, QueuedPage) for t in set(map(type, entries))):  # (a type per entry, in C)
             return
+        jobs = [e.job for e in entries if isinstance(e, QueuedPage)]
         with self._cond:
             for job in jobs:
                 job.readers -= 1

@@ -22,10 +22,13 @@ GIL). That is safe because
 
 from __future__ import annotations
 
+import operator
 import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
+from functools import partial
+from itertools import takewhile
 from typing import Iterable, Optional, Sequence
 
 import numpy as np
@@ -85,18 +88,19 @@ class SessionScope:
         self.doomed = False
         self.keep_on_disk = False
 
-    def try_acquire(self) -> bool:
-        """Pin the scope for reading/writing. False if it was retired (treat as a miss)."""
+    def try_acquire(self, n: int = 1) -> bool:
+        """Pin the scope ``n`` times (``n >= 1``: one pin per page a read holds) for
+        reading/writing. False, and no pin, if it was retired (treat as a miss)."""
         with self._lock:
             if self.retired:
                 return False
-            self._refs += 1
+            self._refs += n
             return True
 
-    def release(self) -> None:
-        """Drop one pin taken by :meth:`try_acquire`."""
+    def release(self, n: int = 1) -> None:
+        """Drop ``n`` pins taken by :meth:`try_acquire`."""
         with self._lock:
-            self._refs -= 1
+            self._refs -= n
         self.last_used_s = time.monotonic()
 
     @property
@@ -174,6 +178,11 @@ class GvaIndex:
         """Lock-free membership test."""
         return key in self._map
 
+    def leading_entries(self, keys: Iterable[str]) -> list[PageEntry]:
+        """Lock-free: the entries of ``keys`` up to the first key not published (one
+        ``dict.get`` each, stopping there; the loop runs in C)."""
+        return list(takewhile(_is_entry, map(self._map.get, keys)))
+
     def __len__(self) -> int:
         return len(self._map)
 
@@ -241,6 +250,36 @@ class GvaIndex:
     def oldest_scopes_locked(self, medium: int) -> list[SessionScope]:
         """Live scopes of ``medium``, least recently used first."""
         return sorted((s for s in self.scopes.values() if s.medium == medium), key=lambda s: (s.last_used_s, s.scope_id))
+
+
+_is_entry = partial(operator.is_not, None)
+
+
+def scope_runs(entries: Sequence) -> list[tuple[SessionScope, int]]:
+    """``(scope, count)`` of each run of consecutive ``entries`` (anything with a ``scope``) of
+    one scope, in order: a read of a session's prefix is a few runs of many pages."""
+    scopes = [e.scope for e in entries]
+    if not scopes or scopes.count(scopes[0]) == len(scopes):  # one scope (identity first, in C)
+        return [(scopes[0], len(scopes))] if scopes else []
+    runs, start = [], 0
+    for i in range(1, len(scopes) + 1):
+        if i == len(scopes) or scopes[i] is not scopes[start]:
+            runs.append((scopes[start], i - start))
+            start = i
+    return runs
+
+
+def pin_entries(entries: Sequence) -> int:
+    """Pin the scope of each of ``entries`` once per entry, run by run (:func:`scope_runs`, one
+    :meth:`SessionScope.try_acquire` of the run's length each), up to the first retired scope.
+    Returns ``n``: ``entries[:n]`` are pinned (release each with :meth:`SessionScope.release`),
+    none after them. The same pins, page for page, as one ``try_acquire`` per entry."""
+    n = 0
+    for scope, k in scope_runs(entries):
+        if not scope.try_acquire(k):
+            break
+        n += k
+    return n
 
 
 class KeyClaims:

@@ -28,7 +28,7 @@ from flatcake.config import FlatCakeConfig
 from flatcake.errorlog import ErrorLog
 from flatcake.gva.address import MEDIUM_DRAM, MEDIUM_SSD
 from flatcake.gva.drive_faults import drop_pages_in_files_locked
-from flatcake.gva.index import GvaIndex, KeyClaims, PageEntry, SessionScope
+from flatcake.gva.index import GvaIndex, KeyClaims, PageEntry, SessionScope, pin_entries, scope_runs
 from flatcake.gva.journal import COMPACT_MIN_ENTRIES, RETIRE, ROUND, JournalEntry, JournalWriter
 from flatcake.gva.listeners import Listeners
 from flatcake.gva.placement import Placement, PlacementDecision, PlacementPolicy, PlacementSignals, ReuseScope, reuse_code
@@ -99,25 +99,20 @@ class ScopeTable:
 
     def pin_leading_run(self, keys: Sequence[str]) -> list[PageEntry]:
         """Entries of the leading run of published ``keys`` whose scopes could be pinned (no
-        lock: a dict probe and a per-scope pin each). The caller reads their bytes, then calls
-        :meth:`unpin`. A scope retired between the lookup and the pin ends the run (a miss)."""
-        entries: list[PageEntry] = []
-        get = self.index.get
-        for k in keys:
-            e = get(k)
-            if e is None or not e.scope.try_acquire():
-                break
-            entries.append(e)
+        lock: a dict probe each, a per-scope pin per run of one scope). The caller reads their bytes,
+        then calls :meth:`unpin`. A scope retired between the lookup and the pin ends the run (a miss)."""
+        entries = self.index.leading_entries(keys)
+        del entries[pin_entries(entries):]
         return entries
 
     def unpin(self, entries: Sequence[PageEntry]) -> None:
         """Drop the pins :meth:`pin_leading_run` took; a doomed scope whose last pin this was is
         freed now."""
         doomed = []
-        for e in entries:
-            e.scope.release()
-            if e.scope.doomed:
-                doomed.append(e.scope)
+        for scope, k in scope_runs(entries):  # one release per run of one scope's pages
+            scope.release(k)
+            if scope.doomed:
+                doomed.append(scope)
         if doomed:
             with self.lock:
                 for scope in doomed:
