@@ -24,6 +24,7 @@ import threading
 import time
 from typing import Any, List, Optional
 
+import numpy as np
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
 
@@ -199,14 +200,18 @@ class FlatCakeStorage(HybridPoolsMixin, HiCacheStorage):
         holds exactly ``n`` whole, page-aligned pages of token slots."""
         ps = self.mem_pool_host.page_size
         hi = torch.as_tensor(host_indices)
-        # one conversion, then plain Python: each torch op would give the GIL up (docs/performance.md)
-        v = hi.tolist() if hi.dim() == 1 else hi.flatten().tolist()
-        starts = v[::ps]
-        ok = len(v) == n * ps and all(s % ps == 0 for s in starts) and v == [s + j for s in starts for j in range(ps)]
-        if not ok:
+        # no torch op (each would give the GIL up, docs/performance.md): a CPU int tensor is
+        # checked in numpy (issue 11), anything else converted once and checked in plain Python
+        if hi.device.type == "cpu" and hi.dtype in (torch.int64, torch.int32) and not hi.requires_grad:
+            ids = page_numbers(hi.numpy().reshape(-1), n, ps)
+        else:
+            v = hi.tolist() if hi.dim() == 1 else hi.flatten().tolist()
+            starts = v[::ps]
+            ok = len(v) == n * ps and all(s % ps == 0 for s in starts) and v == [s + j for s in starts for j in range(ps)]
+            ids = [s // ps for s in starts] if ok else None
+        if ids is None:
             self.errors("host_indices", ValueError(f"host_indices must be {n} whole page-aligned pages of {ps} slots"))
-            return None
-        return [s // ps for s in starts]
+        return ids
 
     # ------------------------------------------------------------------ queries
     def exists(self, key: str) -> bool:
@@ -447,6 +452,20 @@ class FlatCakeStorage(HybridPoolsMixin, HiCacheStorage):
 
 #: the clock of the per-call timings (seconds; tests may replace it)
 clock = time.perf_counter
+
+
+def page_numbers(slots: np.ndarray, n: int, page_size: int) -> Optional[list]:
+    """Host page numbers (a list of ``n`` ints, ``slots[i * page_size] // page_size``) when
+    ``slots`` (int ``[n * page_size]`` token slots) holds exactly ``n`` whole page-aligned pages
+    of ``page_size`` consecutive slots each, else ``None``. Numpy only (no torch op)."""
+    if slots.shape[0] != n * page_size:
+        return None
+    if page_size == 1:  # every slot is a whole page
+        return slots.tolist()
+    starts = slots[::page_size]
+    if (starts % page_size).any() or not (slots.reshape(n, page_size) == starts[:, None] + np.arange(page_size)).all():
+        return None
+    return (starts // page_size).tolist()
 
 
 def _now() -> float:
