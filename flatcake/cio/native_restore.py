@@ -30,6 +30,7 @@ import ctypes
 import errno as errno_mod
 import os
 import time
+import weakref
 from typing import Optional
 
 import numpy as np
@@ -86,10 +87,29 @@ def _a(x: np.ndarray) -> int:
     return x.ctypes.data
 
 
+#: :func:`dst_table` of each live layout (a layout's plane views never change:
+#: ``KvPageLayout.layer_planes`` keeps them), so a restore does not recompute it (issue 11)
+_TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def dst_table(layout) -> Optional[tuple[np.ndarray, np.ndarray, np.ndarray]]:
     """Per (layer, plane) destination of a CPU layout: base address, page stride and token-row
-    stride in bytes (int64 ``[layers, planes]`` each), or ``None`` when a plane's rows are not
-    contiguous bytes (then the Python pipeline copies)."""
+    stride in bytes (int64 ``[layers, planes]`` each, read-only), or ``None`` when a plane's rows
+    are not contiguous bytes (then the Python pipeline copies). Computed once per layout object."""
+    got = _TABLES.get(layout, _TABLES)
+    if got is not _TABLES:
+        return got
+    table = _dst_table(layout)
+    for t in table or ():
+        t.flags.writeable = False  # shared by every restore into this layout
+    try:
+        _TABLES[layout] = table
+    except TypeError:  # a layout that takes no weak reference: computed each call
+        pass
+    return table
+
+
+def _dst_table(layout) -> Optional[tuple[np.ndarray, np.ndarray, np.ndarray]]:
     g = layout.geometry
     L, J = g.layers, len(g.plane_row_bytes)
     base, s0, s1 = (np.empty((L, J), dtype=np.int64) for _ in range(3))
@@ -188,16 +208,17 @@ class NativeRestore:
         words, u8 = np.empty(8 * mp + 1 + 8 * n + 8, dtype=np.int64), np.empty(2 * n, dtype=np.uint8)
         sizes = [(k, mp) for k in ("pfile", "poff", "plen", "paddr", "pbatch", "pgot", "perr")] + [("own_lo", mp + 1)] + \
             [(k, n) for k in ("rest_lo", "rest_hi", "bbase", "left", "cb0", "ck0", "ck1", "cidx")] + [("out", 8)]
-        r, at = {}, 0
+        r, addr, at, wa = {}, {}, 0, _a(words)  # addresses by arithmetic: one _a per allocation
         for k, size in sizes:
-            r[k], at = words[at: at + size], at + size
+            r[k], addr[k], at = words[at: at + size], wa + 8 * at, at + size
         r["cstatus"], r["done"], out = u8[:n], u8[n:], r.pop("out")
+        addr["cstatus"] = _a(u8)
         rc = LOOP.fn().plan(n, *(_a(x) for x in (chunks.file_index, chunks.offset, chunks.tag, chunks.layer)),
                             eng.chunk_bytes, eng.cfg.gap_bytes, eng.max_io_bytes, ALIGN, eng.staging_bytes,
                             eng.cfg.io_workers, engines.MIN_PIECE_BYTES, bufs[0], bufs[1],
-                            *(_a(r[k]) for k in ("pfile", "poff", "plen", "paddr", "pbatch", "own_lo", "rest_lo",
-                                                  "rest_hi", "cb0", "bbase", "ck0", "ck1", "cidx", "left", "cstatus")),
-                            _a(out))
+                            *(addr[k] for k in ("pfile", "poff", "plen", "paddr", "pbatch", "own_lo", "rest_lo",
+                                                "rest_hi", "cb0", "bbase", "ck0", "ck1", "cidx", "left", "cstatus")),
+                            addr["out"])
         if rc != 0:
             return None
         npc, nb = int(out[0]), int(out[1])
