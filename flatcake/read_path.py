@@ -15,6 +15,7 @@ Lifecycle of one read (no lock held)::
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from typing import Sequence
 
 import numpy as np
@@ -23,7 +24,7 @@ import torch
 from flatcake.cio.pagecopy import scatter_pages
 from flatcake.cio.plan import ChunkBatch
 from flatcake.errorlog import ErrorLog
-from flatcake.gva.address import MEDIUM_DRAM, MEDIUM_SSD, OFFSET_MASK, medium_of
+from flatcake.gva.address import MEDIUM_DRAM, MEDIUM_SHIFT, MEDIUM_SSD, OFFSET_MASK, SSD_BOUNDARY, medium_of
 from flatcake.gva.index import PageEntry
 from flatcake.layout import KvPageLayout, PageGeometry
 from flatcake.media.dram import DramRegion
@@ -84,10 +85,7 @@ class ReadPath:
         """
         g = self.geometry
         n = len(entries)
-        media = [medium_of(e.gva) for e in entries]
-        dram_pos = [i for i, m in enumerate(media) if m == MEDIUM_DRAM]
-        ssd_pos = [i for i, m in enumerate(media) if m == MEDIUM_SSD]
-        queued_pos = [i for i, m in enumerate(media) if m == MEDIUM_QUEUED]
+        dram_pos, ssd_pos, queued_pos = split_media([e.gva for e in entries])
         good = n
         if ssd_pos:
             if self.queue is not None:
@@ -103,10 +101,10 @@ class ReadPath:
             pos = [i for i in pos if i < good]
         if pos:
             self._copy_dram(entries, pos, layout, page_ids)
-        ssd_hits = sum(1 for i in ssd_pos if i < good)
+        ssd_hits = bisect_left(ssd_pos, good)  # positions ascend
         self.stats.add(hit_pages_dram=len(pos), hit_pages_ssd=ssd_hits,
                        logical_read_bytes_ssd=ssd_hits * g.page_bytes,
-                       queued_hit_pages=sum(1 for i in queued_pos if i < good))
+                       queued_hit_pages=bisect_left(queued_pos, good))
         return good
 
     def _copy_queued(self, entries, pos: list[int], layout: KvPageLayout, page_ids) -> None:
@@ -154,50 +152,81 @@ class ReadPath:
         at byte ``offset_i + l * layer_stride_i`` of file ``file_i``, tag ``i`` (position in
         ``entries``), checksum ``entries[i].checksums[l]`` (and device checksum
         ``entries[i].checksums[layers + l]`` for record-v3 rounds) when verification is on or the
-        page was rebuilt at start-up. No per-chunk objects."""
+        page was rebuilt at start-up. No per-chunk objects; per page only attribute reads (one
+        list per field), the rest whole-array numpy (issue 11: ~128 pages a call at 1-token
+        pages). ``ssd_pos``: ascending positions, ``range(len(entries))`` when all are SSD;
+        ``page_ids``: as :meth:`read`."""
         g = self.geometry
         m, L = len(ssd_pos), g.layers
-        pos = np.asarray(ssd_pos, dtype=np.int64)
-        es = [entries[i] for i in ssd_pos]
-        off = np.fromiter((e.gva & OFFSET_MASK for e in es), dtype=np.int64, count=m)
-        stride = np.fromiter((e.layer_stride for e in es), dtype=np.int64, count=m)
+        whole = isinstance(ssd_pos, range) and ssd_pos == range(len(entries))
+        es = entries if whole else [entries[i] for i in ssd_pos]
+        pos = np.arange(m, dtype=np.int64) if whole else np.asarray(ssd_pos, dtype=np.int64)
+        off = (np.array([e.gva for e in es], dtype=np.uint64).reshape(m) & np.uint64(OFFSET_MASK)).astype(np.int64)
+        stride = np.array([e.layer_stride for e in es], dtype=np.int64).reshape(m)
         if isinstance(page_ids, torch.Tensor):
             dst = page_ids.detach().to("cpu", torch.int64).numpy()[pos]
         else:
-            dst = np.fromiter((int(page_ids[i]) for i in ssd_pos), dtype=np.int64, count=m)
+            dst = np.fromiter(map(int, map(page_ids.__getitem__, ssd_pos)), dtype=np.int64, count=m)
         f, o = np.divmod(off, self.file_bytes)
         lay = np.arange(L, dtype=np.int64)
         offsets = (o[None, :] + lay[:, None] * stride[None, :]).reshape(-1)  # [L, m] flattened layer-major
-        verify = self.verify
-        has_page = np.fromiter((e.checksums is not None and (verify or e.verify) for e in es), dtype=bool, count=m)
+        sums, has_page, has_dev = self._checksums(es, L)
+        return ChunkBatch(
+            _tile(f, L), offsets, _tile(dst, L), np.repeat(lay, m), _tile(pos, L), g.chunk_bytes,
+            checksum=sums[0].reshape(-1), has_checksum=_tile(has_page, L),
+            devsum=sums[1].reshape(-1), has_devsum=_tile(has_dev, L),
+        )
+
+    def _checksums(self, es: Sequence[PageEntry], L: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Expected checksums of pages ``es``: uint64 ``[2, L, m]`` (xxh3 ``[0]``, device
+        checksum ``[1]``; 0 where absent) and bool ``[m]`` each: page ``j`` is verified (it has
+        checksums and verification is on or it was rebuilt at start-up), and it has device
+        checksums (``[2 * L]`` of them, record v3). Pages whose checksums are all numpy arrays
+        of one length are gathered in one ``np.concatenate``; anything else page by page."""
+        m = len(es)
+        cks = [e.checksums for e in es]
+        has = [c is not None for c in cks] if self.verify else \
+            [c is not None and e.verify for c, e in zip(cks, es)]
         sums = np.zeros((2, L, m), dtype=np.uint64)  # xxh3, device checksum
-        has_dev = np.zeros(m, dtype=bool)
+        has_page, has_dev = np.array(has, dtype=bool).reshape(m), np.zeros(m, dtype=bool)
+        if not any(has):
+            return sums, has_page, has_dev
+        lens = set(map(len, cks)) if all(has) and set(map(type, cks)) == {np.ndarray} else ()
+        k = next(iter(lens)) if len(lens) == 1 else 0
+        if k >= L:  # every page: one ndarray of k checksums
+            flat = np.concatenate(cks, dtype=np.uint64, casting="unsafe")  # as np.asarray(c, dtype=np.uint64) each
+            if flat.ndim == 1:
+                both = flat.reshape(m, k)
+                sums[0] = both[:, :L].T
+                if k >= 2 * L:
+                    sums[1] = both[:, L: 2 * L].T
+                    has_dev[:] = True
+                return sums, has_page, has_dev
         for j in np.flatnonzero(has_page).tolist():
-            c = np.asarray(es[j].checksums, dtype=np.uint64)  # [layers] or [2 * layers] (record v3)
+            c = np.asarray(cks[j], dtype=np.uint64)  # [layers] or [2 * layers] (record v3)
             sums[0, :, j] = c[:L]
             if c.shape[0] >= 2 * L:
                 sums[1, :, j] = c[L: 2 * L]
                 has_dev[j] = True
-        return ChunkBatch(
-            np.broadcast_to(f, (L, m)).reshape(-1), offsets, np.broadcast_to(dst, (L, m)).reshape(-1),
-            np.repeat(lay, m), np.broadcast_to(pos, (L, m)).reshape(-1), g.chunk_bytes,
-            checksum=sums[0].reshape(-1), has_checksum=np.broadcast_to(has_page[None, :], (L, m)).reshape(-1),
-            devsum=sums[1].reshape(-1), has_devsum=np.broadcast_to(has_dev[None, :], (L, m)).reshape(-1),
-        )
+        return sums, has_page, has_dev
 
-    def _read_ssd(self, entries, ssd_pos: list[int], layout: KvPageLayout, page_ids) -> int:
+    def _read_ssd(self, entries, ssd_pos: Sequence[int], layout: KvPageLayout, page_ids) -> int:
         """Restore SSD pages; returns the first position (in ``entries``) that failed, or len.
 
         A page whose pool file was reset (removed or truncated behind the backend) after it was
         written fails even when its bytes were read: after the check below, nothing read before
         it can come from a file recreated since (the read would have found the new generation)."""
-        rep = self.cio.restore(self.chunk_batch(entries, ssd_pos, page_ids), layout)
+        batch = self.chunk_batch(entries, ssd_pos, page_ids)
+        rep = self.cio.restore(batch, layout)
         self.stats.add(ssd_read_bytes=rep.bytes_read, ssd_over_read_bytes=rep.bytes_over_read,
                        ssd_read_ops=rep.io_requests, ssd_restores=1, merged_reads=rep.merged_reads,
                        ssd_read_s=rep.read_s)
         bad = min(rep.failed_tags) if rep.failed_tags else len(entries)
+        # generations read after the restore, once per file; layer 0's chunks are the pages in order
+        files = batch.file_index[:len(ssd_pos)].tolist()
         gen = self.ssd.generation_of
-        stale = next((i for i in ssd_pos if gen(self.file_of(entries[i])) != entries[i].generation), bad)
+        now = {fi: gen(fi) for fi in set(files)}
+        stale = next((i for i, fi in zip(ssd_pos, files) if now[fi] != entries[i].generation), bad)
         if stale < bad:
             self.errors.report("read", "file reset", f"pool file {self.file_of(entries[stale])} was reset after the page was written")
         return min(bad, stale)
@@ -212,3 +241,22 @@ class ReadPath:
         """Close the restore engine's cached handles of ``file_index`` (it was removed,
         truncated or replaced; the next read reopens it by path)."""
         self.cio.forget_file(file_index)
+
+
+def split_media(gvas: Sequence[int]) -> tuple[list[int], Sequence[int], list[int]]:
+    """Positions in ``gvas`` of DRAM, SSD and queued (:data:`~flatcake.write_queue.MEDIUM_QUEUED`)
+    pages, each ascending; other media in none. When every page is on SSD (the common restore:
+    ``2**60 <= gva < 2**61``, two C passes instead of one Python call per page) the SSD positions
+    are ``range(len(gvas))``."""
+    if gvas and SSD_BOUNDARY <= min(gvas) and max(gvas) < (MEDIUM_SSD + 1) << MEDIUM_SHIFT:
+        return [], range(len(gvas)), []
+    media = [medium_of(g) for g in gvas]
+    return ([i for i, m in enumerate(media) if m == MEDIUM_DRAM], [i for i, m in enumerate(media) if m == MEDIUM_SSD],
+            [i for i, m in enumerate(media) if m == MEDIUM_QUEUED])
+
+
+def _tile(x: np.ndarray, n: int) -> np.ndarray:
+    """``[n * len(x)]``: ``x`` repeated ``n`` times (``np.tile`` of a 1-D array, one C copy)."""
+    out = np.empty((n, x.shape[0]), dtype=x.dtype)
+    out[...] = x
+    return out.reshape(-1)
