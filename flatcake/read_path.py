@@ -160,55 +160,56 @@ class ReadPath:
         m, L = len(ssd_pos), g.layers
         whole = isinstance(ssd_pos, range) and ssd_pos == range(len(entries))
         es = entries if whole else [entries[i] for i in ssd_pos]
-        pos = np.arange(m, dtype=np.int64) if whole else np.asarray(ssd_pos, dtype=np.int64)
-        off = (np.array([e.gva for e in es], dtype=np.uint64).reshape(m) & np.uint64(OFFSET_MASK)).astype(np.int64)
-        stride = np.array([e.layer_stride for e in es], dtype=np.int64).reshape(m)
         if isinstance(page_ids, torch.Tensor):
-            dst = page_ids.detach().to("cpu", torch.int64).numpy()[pos]
+            dst = page_ids.detach().to("cpu", torch.int64).numpy()[np.asarray(ssd_pos, dtype=np.int64)].tolist()
         else:
-            dst = np.fromiter(map(int, map(page_ids.__getitem__, ssd_pos)), dtype=np.int64, count=m)
-        f, o = np.divmod(off, self.file_bytes)
-        lay = np.arange(L, dtype=np.int64)
-        offsets = (o[None, :] + lay[:, None] * stride[None, :]).reshape(-1)  # [L, m] flattened layer-major
-        sums, has_page, has_dev = self._checksums(es, L)
-        return ChunkBatch(
-            _tile(f, L), offsets, _tile(dst, L), np.repeat(lay, m), _tile(pos, L), g.chunk_bytes,
-            checksum=sums[0].reshape(-1), has_checksum=_tile(has_page, L),
-            devsum=sums[1].reshape(-1), has_devsum=_tile(has_dev, L),
-        )
+            dst = list(map(int, map(page_ids.__getitem__, ssd_pos)))
+        # per page: byte offset in the pool, layer stride, destination page, tag; [4, m]
+        cols = np.array([[e.gva & OFFSET_MASK for e in es], [e.layer_stride for e in es], dst, list(ssd_pos)],
+                        dtype=np.int64).reshape(4, m)
+        x = np.empty((5, L, m), dtype=np.int64)  # file, offset, page, layer, tag: [L, m] each, layer-major
+        x[0], x[1] = np.divmod(cols[0], self.file_bytes)
+        lay = np.arange(L, dtype=np.int64)[:, None]
+        x[1] += lay * cols[1]
+        x[2], x[3], x[4] = cols[2], lay, cols[3]
+        sums, has = self._checksums(es, L)
+        x = x.reshape(5, L * m)
+        return ChunkBatch(x[0], x[1], x[2], x[3], x[4], g.chunk_bytes, checksum=sums[0].reshape(-1),
+                          has_checksum=has[0].reshape(-1), devsum=sums[1].reshape(-1), has_devsum=has[1].reshape(-1))
 
-    def _checksums(self, es: Sequence[PageEntry], L: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _checksums(self, es: Sequence[PageEntry], L: int) -> tuple[np.ndarray, np.ndarray]:
         """Expected checksums of pages ``es``: uint64 ``[2, L, m]`` (xxh3 ``[0]``, device
-        checksum ``[1]``; 0 where absent) and bool ``[m]`` each: page ``j`` is verified (it has
-        checksums and verification is on or it was rebuilt at start-up), and it has device
-        checksums (``[2 * L]`` of them, record v3). Pages whose checksums are all numpy arrays
-        of one length are gathered in one ``np.concatenate``; anything else page by page."""
+        checksum ``[1]``; 0 where absent, layer-major) and bool ``[2, L, m]``: page ``j`` is
+        verified (it has checksums and verification is on or it was rebuilt at start-up), and
+        it has device checksums (``[2 * L]`` of them, record v3). Pages whose checksums are all
+        numpy arrays of one length are gathered in one ``np.concatenate``; else page by page."""
         m = len(es)
         cks = [e.checksums for e in es]
-        has = [c is not None for c in cks] if self.verify else \
+        has_page = [c is not None for c in cks] if self.verify else \
             [c is not None and e.verify for c, e in zip(cks, es)]
-        sums = np.zeros((2, L, m), dtype=np.uint64)  # xxh3, device checksum
-        has_page, has_dev = np.array(has, dtype=bool).reshape(m), np.zeros(m, dtype=bool)
-        if not any(has):
-            return sums, has_page, has_dev
-        lens = set(map(len, cks)) if all(has) and set(map(type, cks)) == {np.ndarray} else ()
+        sums, has = np.zeros((2, L, m), dtype=np.uint64), np.zeros((2, L, m), dtype=bool)
+        if not any(has_page):
+            return sums, has
+        lens = set(map(len, cks)) if all(has_page) and set(map(type, cks)) == {np.ndarray} else ()
         k = next(iter(lens)) if len(lens) == 1 else 0
         if k >= L:  # every page: one ndarray of k checksums
             flat = np.concatenate(cks, dtype=np.uint64, casting="unsafe")  # as np.asarray(c, dtype=np.uint64) each
             if flat.ndim == 1:
                 both = flat.reshape(m, k)
                 sums[0] = both[:, :L].T
+                has[0] = True
                 if k >= 2 * L:
                     sums[1] = both[:, L: 2 * L].T
-                    has_dev[:] = True
-                return sums, has_page, has_dev
+                    has[1] = True
+                return sums, has
         for j in np.flatnonzero(has_page).tolist():
             c = np.asarray(cks[j], dtype=np.uint64)  # [layers] or [2 * layers] (record v3)
             sums[0, :, j] = c[:L]
+            has[0, :, j] = True
             if c.shape[0] >= 2 * L:
                 sums[1, :, j] = c[L: 2 * L]
-                has_dev[j] = True
-        return sums, has_page, has_dev
+                has[1, :, j] = True
+        return sums, has
 
     def _read_ssd(self, entries, ssd_pos: Sequence[int], layout: KvPageLayout, page_ids) -> int:
         """Restore SSD pages; returns the first position (in ``entries``) that failed, or len.
@@ -254,9 +255,3 @@ def split_media(gvas: Sequence[int]) -> tuple[list[int], Sequence[int], list[int
     return ([i for i, m in enumerate(media) if m == MEDIUM_DRAM], [i for i, m in enumerate(media) if m == MEDIUM_SSD],
             [i for i, m in enumerate(media) if m == MEDIUM_QUEUED])
 
-
-def _tile(x: np.ndarray, n: int) -> np.ndarray:
-    """``[n * len(x)]``: ``x`` repeated ``n`` times (``np.tile`` of a 1-D array, one C copy)."""
-    out = np.empty((n, x.shape[0]), dtype=x.dtype)
-    out[...] = x
-    return out.reshape(-1)
