@@ -88,9 +88,12 @@ class ReadPath:
         dram_pos, ssd_pos, queued_pos = split_media([e.gva for e in entries])
         good = n
         if ssd_pos:
-            if self.queue is not None:
-                with self.queue.reading():  # writes not yet issued wait for the gap after it
+            if self.queue is not None:  # writes not yet issued wait for the gap after it
+                self.queue.reads_begin()  # (queue.reading() without the context-manager frames)
+                try:
                     good = min(good, self._read_ssd(entries, ssd_pos, layout, page_ids))
+                finally:
+                    self.queue.reads_end()
             else:
                 good = min(good, self._read_ssd(entries, ssd_pos, layout, page_ids))
         if queued_pos:
@@ -227,7 +230,10 @@ class ReadPath:
         files = batch.file_index[:len(ssd_pos)].tolist()
         gen = self.ssd.generation_of
         now = {fi: gen(fi) for fi in set(files)}
-        stale = next((i for i, fi in zip(ssd_pos, files) if now[fi] != entries[i].generation), bad)
+        written = [entries[i].generation for i in ssd_pos]
+        stale = bad
+        if list(map(now.__getitem__, files)) != written:  # (compared in C; the loop finds the first)
+            stale = next(i for i, fi, w in zip(ssd_pos, files, written) if now[fi] != w)
         if stale < bad:
             self.errors.report("read", "file reset", f"pool file {self.file_of(entries[stale])} was reset after the page was written")
         return min(bad, stale)

@@ -202,7 +202,10 @@ class FlatCakeStorage(HybridPoolsMixin, HiCacheStorage):
         hi = torch.as_tensor(host_indices)
         # no torch op (each would give the GIL up, docs/performance.md): a CPU int tensor is
         # checked in numpy (issue 11), anything else converted once and checked in plain Python
-        if hi.device.type == "cpu" and hi.dtype in (torch.int64, torch.int32) and not hi.requires_grad:
+        if ps == 1 and hi.dim() == 1 and hi.dtype in (torch.int64, torch.int32):  # every slot is a page
+            ids = hi.tolist()
+            ids = ids if len(ids) == n else None
+        elif hi.device.type == "cpu" and hi.dtype in (torch.int64, torch.int32) and not hi.requires_grad:
             ids = page_numbers(hi.numpy().reshape(-1), n, ps)
         else:
             v = hi.tolist() if hi.dim() == 1 else hi.flatten().tolist()
