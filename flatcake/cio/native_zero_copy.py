@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import ctypes
 import errno as errno_mod
+import logging
 import time
 from typing import Optional
 
@@ -35,6 +36,7 @@ from flatcake.cio import engines
 from flatcake.cio.plan import ChunkBatch
 from flatcake.native_loop import NativeLoop
 
+log = logging.getLogger(__name__)
 _I64, _P = ctypes.c_int64, ctypes.c_void_p
 #: python-xxhash exports, in the order ``fc_zc_run`` reads them from its ``hfn`` array
 _HASH_SYMBOLS = ("XXH3_createState", "XXH3_freeState", "XXH3_64bits_reset", "XXH3_64bits_update",
@@ -138,6 +140,7 @@ class ZeroCopy:
             return None
         if (r["perr"] == errno_mod.EINVAL).any() and posix.direct_io:
             self.refused = True  # the pool's memory, not the file: the staging path from now on
+            log.info("FC-CIO zero copy off: O_DIRECT refused a read into the host pool (EINVAL); staging copy")
             return None
         for k, fi in enumerate(r["pfile"].tolist()):  # a file that did not open: its own errno
             if fds[fi][0] < 0:

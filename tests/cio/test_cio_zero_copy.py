@@ -180,3 +180,25 @@ def test_a_piece_of_more_than_iov_max_iovecs_is_read_in_several_calls(ext4_dir, 
     rep = restore(ext4_dir, cb, chunks, lay, M, io_workers=1)
     assert rep.failed_tags == frozenset() and rep.io_requests == 1 and natives[-1].zero_copy.calls == 1
     assert torch.equal(pool.kv_buffer.view(torch.uint8), expected("mha", "page_first_direct", M, data, chunks))
+
+
+def test_o_direct_refusing_the_pools_memory_turns_zero_copy_off_and_the_staging_path_serves(ext4_dir, monkeypatch,
+                                                                                           natives):
+    # a pool 64 bytes off a page boundary, declared eligible: O_DIRECT refuses the reads (EINVAL)
+    monkeypatch.setattr(native_zero_copy, "eligible", lambda *a: True)
+    M = 8
+    pool, _ = pool_of("mla", "layer_first", M)
+    raw = torch.zeros(pool.kv_buffer.numel() * 2 + 4096, dtype=torch.uint8)
+    off = (-raw.data_ptr()) % 4096 + 64
+    pool.kv_buffer = raw[off: off + pool.kv_buffer.numel() * 2].view(torch.bfloat16).view(pool.kv_buffer.shape)
+    lay = KvPageLayout.from_host_pool(pool)
+    cb = lay.geometry.chunk_bytes
+    data = write_extent(os.path.join(ext4_dir, "f0"), M, L, cb, seed=55, base=BASE)
+    chunks = extent_chunks(data, 0, M, L, cb, base=BASE)
+    with RestoreEngine(CioConfig(io_workers=3), path_fn(ext4_dir), direct_io=True, chunk_bytes=cb,
+                       max_pages_per_restore=M) as eng:
+        reps = [eng.restore(chunks, lay) for _ in range(2)]  # the second one goes straight to staging
+    zc = natives[-1].zero_copy
+    assert [(r.failed_tags, r.batches >= 1) for r in reps] == [(frozenset(), True)] * 2
+    assert zc.calls == 0 and zc.refused
+    assert torch.equal(pool.kv_buffer.view(torch.uint8), expected("mla", "layer_first", M, data, chunks))
