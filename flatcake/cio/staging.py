@@ -125,7 +125,7 @@ class StagingPool:
     def _alloc(self) -> StagingBuffer:
         n = self.buffer_bytes
         if self.device.type == "cpu":
-            t, arr, m = aligned_host_buffer(n)
+            t, arr, m = aligned_host_buffer(n, huge=True)
             return StagingBuffer(t, arr, n, m)
         raw = torch.empty(n + ALIGN, dtype=torch.uint8, device=self.device)
         skip = align_up(raw.data_ptr()) - raw.data_ptr()

@@ -60,8 +60,15 @@ def probe_direct_io(directory: str) -> bool:
             pass
 
 
-def aligned_host_buffer(nbytes: int) -> tuple[torch.Tensor, np.ndarray, mmap.mmap]:
+def aligned_host_buffer(nbytes: int, huge: bool = False) -> tuple[torch.Tensor, np.ndarray, mmap.mmap]:
     """Page-aligned host buffer of ``nbytes`` bytes (anonymous ``mmap``, zero-filled).
+
+    ``huge``: ask for transparent huge pages (``madvise(MADV_HUGEPAGE)``; where the kernel
+    declines, or ``FLATCAKE_HUGEPAGES=0``, ordinary pages) and fault the buffer in now: each
+    O_DIRECT read into it then pins a few 2 MiB folios instead of one 4 KiB page per 4 KiB
+    (about a quarter less CPU per GB restored here; docs/performance.md, "Huge pages for
+    staging"). For buffers made once and kept (the staging windows): the first fault of a huge
+    page may compact memory, a cost a buffer made per call would pay each time.
 
     Returns:
         ``(tensor, array, mapping)``: a uint8 CPU tensor ``[nbytes]`` and a uint8 numpy array
@@ -74,7 +81,14 @@ def aligned_host_buffer(nbytes: int) -> tuple[torch.Tensor, np.ndarray, mmap.mma
     if nbytes <= 0 or nbytes % ALIGN:
         raise ValueError(f"staging buffer size must be a positive multiple of {ALIGN}, got {nbytes}")
     m = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if huge and os.environ.get("FLATCAKE_HUGEPAGES", "1") != "0":
+        try:
+            m.madvise(mmap.MADV_HUGEPAGE)
+        except (AttributeError, OSError):  # no THP on this kernel/platform: ordinary pages
+            pass
     arr = np.frombuffer(m, dtype=np.uint8)
+    if huge:
+        arr[::ALIGN] = 0  # fault every page in now (huge ones where granted), not in the first restore
     t = torch.from_numpy(arr)
     if t.data_ptr() % ALIGN:
         raise RuntimeError("mmap returned a buffer that is not 4 KiB aligned")
