@@ -2,6 +2,8 @@
 
 * :func:`probe_direct_io` — does a directory's filesystem take 4 KiB-aligned O_DIRECT? The SSD
   pool runs it once at start-up and hands the answer to FC-CIO.
+* :func:`dio_alignment` — the alignment zero-copy restores' iovecs need on the device holding a
+  directory (4096, or 512 on a device without an NVMe-style virtual boundary).
 * :func:`drop_page_cache` — evict a file from the page cache, so a benchmark reads the device.
 * :func:`aligned_host_buffer` — a page-aligned host buffer (numpy and torch views) for O_DIRECT
   and GDS-compatible transfers; :class:`AlignedBuffer` — a reusable, growable one for writes.
@@ -12,6 +14,7 @@ from __future__ import annotations
 import mmap
 import os
 import threading
+from typing import Optional
 
 import numpy as np
 import torch
@@ -58,6 +61,82 @@ def probe_direct_io(directory: str) -> bool:
             os.unlink(path)
         except OSError:
             pass
+
+
+def _queue_int(queue: str, name: str) -> Optional[int]:
+    try:
+        with open(os.path.join(queue, name)) as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def _dio_reads_at(directory: str, a: int) -> bool:
+    """Whether an O_DIRECT read of ``a`` bytes at file offset ``a`` into memory ``a`` bytes past a
+    page boundary works in ``directory`` (the filesystem may need more than its device)."""
+    path = os.path.join(directory, f".fc-dioalign-probe-{os.getpid()}-{threading.get_ident()}")
+    buf = aligned_host_buffer(ALIGN)[1]
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)
+    except (OSError, AttributeError):
+        return False
+    try:
+        buf[:] = ord("F")
+        os.pwritev(fd, [buf], 0)
+        return os.preadv(fd, [memoryview(buf)[a: 2 * a]], a) == a
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+
+
+def dio_alignment(directory: str, sysfs: str = "/sys", verify: bool = True) -> int:
+    """The alignment (bytes) that zero-copy restores' iovecs (memory address and length) and
+    file offsets need on the block device holding ``directory`` (paper §3.3, FC-CIO).
+
+    Linux O_DIRECT only needs memory aligned to the device's DMA alignment and file offsets and
+    lengths to its logical block size. But on a device with a virtual boundary (NVMe's PRP lists:
+    ``queue/virt_boundary_mask`` = 4095) the block layer ends a request at every iovec that does
+    not start and end on a 4 KiB boundary: 1 KiB iovecs would each become one request. So the
+    answer is :data:`~flatcake.align.ALIGN` (4096) unless the device reports
+    ``virt_boundary_mask`` 0; then ``max(logical_block_size, dma_alignment + 1, 512)``, and only
+    if an O_DIRECT read at that alignment (offset, length, memory) works in ``directory``
+    (``verify``; the filesystem may need more than its device).
+
+    The device is ``os.stat(directory).st_dev`` in ``{sysfs}/dev/block/MAJ:MIN``: a partition
+    reads its parent disk's ``queue``; device-mapper and loop devices their own (it reflects the
+    stack). No block device there (tmpfs, overlay, NFS, btrfs's anonymous devices), a value that
+    does not read, or anything above 4096: 4096. Never raises.
+
+    Args:
+        directory: a directory on the device (the SSD pool's).
+        sysfs: where sysfs is mounted (tests pass a fake tree).
+        verify: run the O_DIRECT read check before answering less than 4096.
+
+    Returns:
+        512, 1024, 2048 or 4096 (a power of two dividing 4096).
+    """
+    try:
+        dev = os.stat(directory).st_dev
+        node = os.path.realpath(os.path.join(sysfs, "dev", "block", f"{os.major(dev)}:{os.minor(dev)}"))
+    except (OSError, ValueError):
+        return ALIGN
+    queue = os.path.join(node, "queue")
+    if not os.path.isdir(queue) and os.path.exists(os.path.join(node, "partition")):
+        queue = os.path.join(os.path.dirname(node), "queue")
+    mask, lbs, dma = (_queue_int(queue, n) for n in ("virt_boundary_mask", "logical_block_size", "dma_alignment"))
+    if mask != 0 or lbs is None or dma is None:
+        return ALIGN
+    a = max(512, lbs, dma + 1)
+    if a >= ALIGN or ALIGN % a:
+        return ALIGN
+    if verify and not _dio_reads_at(directory, a):
+        return ALIGN
+    return a
 
 
 def aligned_host_buffer(nbytes: int, huge: bool = False) -> tuple[torch.Tensor, np.ndarray, mmap.mmap]:
