@@ -5,8 +5,9 @@ buffer, hashes each chunk there and copies its planes into the page slots: the c
 of CPU per GB (issue 11, docs/performance.md). When every chunk's planes are contiguous bytes
 in the destination (host layouts ``layer_first`` and ``page_first_direct``; ``page_first`` has
 token-strided rows and keeps the staging path) and every plane's destination address and
-length, the chunk size and (checked in C) every chunk's file offset are multiples of
-:data:`~flatcake.align.ALIGN` (the O_DIRECT alignment the SSD pool probes), one GIL-free C call
+length, the chunk size and (checked in C) every chunk's file offset are multiples of the pool
+device's zero-copy alignment (:attr:`~flatcake.cio.engines.PosixEngine.dio_align`, probed once
+at start-up: 4096, or 512 where the device has no virtual boundary), one GIL-free C call
 (:mod:`flatcake.cio.native_zero_copy_c`) plans the reads with pieces of whole chunks, reads
 each piece with ``preadv`` whose iovecs are the chunks' plane slots (bridged holes go to a
 scratch buffer) and verifies each chunk's xxh3-64 in place with XXH3's streaming API over its
@@ -80,7 +81,7 @@ def _build():
 LOOP = NativeLoop(_build, "FLATCAKE_ZERO_COPY", "FC-CIO restore: staging copy for every restore (no zero copy)")
 
 
-def eligible(table, geometry, chunk_bytes: int) -> bool:
+def eligible(table, geometry, chunk_bytes: int, align: int = ALIGN) -> bool:
     """Whether a restore into this destination can read straight into the slots.
 
     Args:
@@ -88,15 +89,19 @@ def eligible(table, geometry, chunk_bytes: int) -> bool:
             stride)`` (int64 ``[layers, planes]`` each, bytes).
         geometry: the layout's :class:`~flatcake.layout.PageGeometry`.
         chunk_bytes: bytes per (page, layer) chunk.
+        align: bytes: the pool device's zero-copy alignment (the engine's
+            :attr:`~flatcake.cio.engines.PosixEngine.dio_align`: 4096, or 512 on a device
+            without a virtual boundary, where e.g. MLA's 18,432-byte planes at 16-token pages
+            qualify).
 
     Returns:
         True when every plane is contiguous in its slot (row stride = row bytes) and the plane
-        bases, page strides, plane lengths and ``chunk_bytes`` are multiples of ``ALIGN``.
+        bases, page strides, plane lengths and ``chunk_bytes`` are multiples of ``align``.
     """
     base, s0, s1 = table
     rb = np.array(geometry.plane_row_bytes, dtype=np.int64)
-    return bool((s1 == rb[None, :]).all() and not (base % ALIGN).any() and not (s0 % ALIGN).any()
-                and not ((rb * geometry.page_size) % ALIGN).any() and chunk_bytes % ALIGN == 0)
+    return bool((s1 == rb[None, :]).all() and not (base % align).any() and not (s0 % align).any()
+                and not ((rb * geometry.page_size) % align).any() and chunk_bytes % align == 0)
 
 
 class ZeroCopy:
@@ -121,7 +126,8 @@ class ZeroCopy:
 
         nat, fn = self.native, LOOP.fn()
         eng, posix = nat.engine, nat.posix
-        if fn is None or self.refused or not len(chunks) or not eligible(table, layout.geometry, eng.chunk_bytes):
+        if fn is None or self.refused or not len(chunks) or not eligible(table, layout.geometry, eng.chunk_bytes,
+                                                                         posix.dio_align):
             return None
         t_wait = time.perf_counter()
         win = eng.staging.acquire()  # (not used: it bounds the restores in flight, cio.windows)
@@ -172,7 +178,8 @@ class ZeroCopy:
         cfg = eng.cfg
         rc = fn(int(self.native.posix.direct_io), max(1, cfg.io_workers), CPU_THREADS,
                 int(cfg.thread_policy == "idle"), n, *(c.ctypes.data for c in cols), int(bool(cfg.verify_checksums)),
-                fdmap.ctypes.data, fdmap.shape[0], eng.chunk_bytes, cfg.gap_bytes, eng.max_io_bytes, ALIGN,
+                fdmap.ctypes.data, fdmap.shape[0], eng.chunk_bytes, cfg.gap_bytes, eng.max_io_bytes,
+                self.native.posix.dio_align,
                 cfg.io_workers, engines.MIN_PIECE_BYTES, len(g.plane_row_bytes), g.page_size,
                 geo[0].ctypes.data, geo[1].ctypes.data, tb.ctypes.data, ts0.ctypes.data,
                 *(r[k].ctypes.data for k in ("ord", "pfd", "pfile", "poff", "plen", "plo", "pgot", "perr",

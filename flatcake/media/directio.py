@@ -83,7 +83,8 @@ def _dio_reads_at(directory: str, a: int) -> bool:
     try:
         buf[:] = ord("F")
         os.pwritev(fd, [buf], 0)
-        return os.preadv(fd, [memoryview(buf)[a: 2 * a]], a) == a
+        os.lseek(fd, a, os.SEEK_SET)
+        return os.readv(fd, [memoryview(buf)[a: 2 * a]]) == a
     except OSError:
         return False
     finally:

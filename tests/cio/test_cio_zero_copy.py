@@ -16,6 +16,7 @@ from flatcake.cio import engines as engines_mod
 from flatcake.cio import native_restore, native_zero_copy
 from flatcake.config import CioConfig
 from flatcake.layout import KvPageLayout
+from flatcake.media.directio import dio_alignment
 
 pytestmark = pytest.mark.skipif(native_zero_copy.LOOP.fn() is None, reason="no C compiler or streaming XXH3")
 
@@ -202,3 +203,48 @@ def test_o_direct_refusing_the_pools_memory_turns_zero_copy_off_and_the_staging_
     assert [(r.failed_tags, r.batches >= 1) for r in reps] == [(frozenset(), True)] * 2
     assert zc.calls == 0 and zc.refused
     assert torch.equal(pool.kv_buffer.view(torch.uint8), expected("mla", "layer_first", M, data, chunks))
+
+
+def _pool_512(kind, layout, pages, seed=7):
+    """MLA at 16-token pages (576-dim latent rows: 18,432-byte planes) or MHA at 1-token pages
+    (1 KiB planes): planes that are multiples of 512 bytes, not of 4 KiB; every byte noise."""
+    pool = MLAHostPoolDouble(pages * 16, 16, L, 576, layout=layout) if kind == "mla16" else \
+        MHAHostPoolDouble(pages, 1, L, 8, 64, layout=layout)
+    u8 = pool.kv_buffer.view(torch.uint8)
+    u8.copy_(torch.from_numpy(np.random.default_rng(seed).integers(0, 256, u8.numel(), dtype=np.uint8)).view(u8.shape))
+    return pool, KvPageLayout.from_host_pool(pool)
+
+
+@pytest.mark.parametrize("kind", ["mla16", "mha1"])
+@pytest.mark.parametrize("layout", ["layer_first", "page_first_direct"])
+@pytest.mark.parametrize("device_align", [None, 4096])
+def test_planes_of_512_byte_multiples_read_straight_into_the_slots_where_the_device_allows(
+        ext4_dir, monkeypatch, natives, kind, layout, device_align):
+    """On a device without a virtual boundary (probe: 512) the restore is zero copy; on one
+    that needs 4 KiB (``device_align`` 4096, as NVMe) the staging path serves: the same bytes,
+    slots of pages not requested (every other page, and the holes) untouched."""
+    if device_align is None:
+        a = dio_alignment(ext4_dir)
+        if a != 512:
+            pytest.skip(f"the test directory's device needs {a}-byte zero-copy iovecs, not 512")
+    else:
+        monkeypatch.setattr(engines_mod, "pool_dio_alignment", lambda path_of: device_align)
+    monkeypatch.setattr(engines_mod, "MIN_PIECE_BYTES", 4096)
+    M = 40
+    pool, lay = _pool_512(kind, layout, 2 * M)
+    cb = lay.geometry.chunk_bytes
+    assert cb % 512 == 0 and cb % 4096 != 0
+    data = write_extent(os.path.join(ext4_dir, "f0"), M, L, cb, seed=60, base=BASE, tail=4096)
+    chunks = holey(data, 0, M, cb, [2 * i + 1 for i in range(M)])  # odd pages; even ones are guards
+    rep = restore(ext4_dir, cb, chunks, lay, 2 * M, gap_bytes=2 * cb + 4096)
+    assert rep.failed_tags == frozenset()
+    exp_pool, _ = _pool_512(kind, layout, 2 * M)
+    exp_lay = KvPageLayout.from_host_pool(exp_pool)
+    for f, off, nb, page, layer, tag, _ in rows(chunks):
+        exp_lay.scatter_chunks(torch.from_numpy(data[off: off + nb].copy()).view(1, -1), torch.tensor([page]), layer)
+    assert torch.equal(pool.kv_buffer.view(torch.uint8), exp_pool.kv_buffer.view(torch.uint8))
+    if device_align is None:
+        assert natives[-1].zero_copy.calls == 1 and rep.batches == 0
+        assert rep.merged_reads == L + 1 and rep.bytes_over_read == L * 2 * cb  # bridged pages 5, 6
+    else:
+        assert natives[-1].zero_copy.calls == 0 and rep.batches >= 1
