@@ -121,6 +121,84 @@ def _dst_table(layout) -> Optional[tuple[np.ndarray, np.ndarray, np.ndarray]]:
     return base, s0, s1
 
 
+#: :class:`DestArgs` of each live layout (built with its :func:`dst_table`; issue 11)
+_DESTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+class DestArgs:
+    """A CPU layout's destination as the C restores take it, built once per layout object.
+
+    Attributes:
+        table: :func:`dst_table` (int64 ``[layers, planes]`` base address, page stride, row stride, bytes).
+        plane_off: int64 ``[planes]`` byte offset of each plane in a chunk (``plane_offsets()``).
+        plane_rb: int64 ``[planes]`` bytes per token row of each plane (``plane_row_bytes``).
+        addrs: addresses of ``plane_off``, ``plane_rb`` and the three table arrays (ints, in that order).
+        planes, page_size: planes per layer, tokens per page.
+    """
+
+    __slots__ = ("table", "plane_off", "plane_rb", "addrs", "planes", "page_size", "__weakref__")
+
+    def __init__(self, layout, table):
+        g = layout.geometry
+        self.table = tuple(np.ascontiguousarray(t) for t in table)
+        self.plane_off = np.array(g.plane_offsets(), dtype=np.int64)
+        self.plane_rb = np.array(g.plane_row_bytes, dtype=np.int64)
+        for x in (self.plane_off, self.plane_rb):
+            x.flags.writeable = False
+        self.addrs = tuple(_a(x) for x in (self.plane_off, self.plane_rb) + self.table)
+        self.planes, self.page_size = int(self.table[0].shape[1]), int(g.page_size)
+
+
+def dest_args(layout) -> Optional[DestArgs]:
+    """The layout's :class:`DestArgs` (``None`` where :func:`dst_table` is ``None``: the Python
+    pipeline copies), computed once per layout object (paper §3.3, FC-CIO; issue 11)."""
+    got = _DESTS.get(layout, _DESTS)
+    if got is not _DESTS:
+        return got
+    table = dst_table(layout)
+    dest = None if table is None else DestArgs(layout, table)
+    try:
+        _DESTS[layout] = dest
+    except TypeError:  # a layout that takes no weak reference: built each call
+        pass
+    return dest
+
+
+def distinct_pages(page: np.ndarray, layers: int) -> int:
+    """Number of distinct entries of ``page`` (int64 ``[n]`` page numbers): the
+    ``RestoreReport.pages`` of a restore. Exact; where ``page`` is its first ``n / layers``
+    entries repeated ``layers`` times (the layer-major batch ``ReadPath.chunk_batch`` builds),
+    only those are counted, after one byte comparison of the whole array (GIL held throughout)."""
+    n = page.shape[0]
+    if layers > 1 and n % layers == 0:
+        k = n // layers  # page[i] == page[i - k] for every i >= k: the first k entries repeated
+        if page[k:].tobytes() == page[:-k].tobytes():
+            return len(set(page[:k].tolist()))
+    return len(set(page.tolist()))
+
+
+_PIECE_KEYS = ("pfile", "poff", "plen", "paddr", "pbatch", "pgot", "perr")
+_BATCH_KEYS = ("rest_lo", "rest_hi", "bbase", "left")
+_CHUNK_KEYS = ("cb0", "ck0", "ck1", "cidx")
+_LAYOUTS: dict = {}
+
+
+def _word_layout(n: int, mp: int) -> tuple[dict, int]:
+    """Start (in int64 words) of each array of :meth:`NativeRestore.plan_arrays` in its one
+    allocation, and the total words, for ``n`` chunks and at most ``mp`` pieces (memoized)."""
+    got = _LAYOUTS.get((n, mp))
+    if got is None:
+        sizes = [(k, mp) for k in _PIECE_KEYS] + [("own_lo", mp + 1)] + \
+            [(k, n) for k in _BATCH_KEYS + _CHUNK_KEYS] + [("out", 8)]
+        starts, at = {}, 0
+        for k, size in sizes:
+            starts[k], at = at, at + size
+        got = _LAYOUTS[(n, mp)] = (starts, at)
+        if len(_LAYOUTS) > 64:
+            _LAYOUTS.pop(next(iter(_LAYOUTS)))
+    return got
+
+
 class NativeRestore:
     """Runs :meth:`RestoreEngine.restore` calls as one C call each (see the module docstring).
 
@@ -145,10 +223,10 @@ class NativeRestore:
         from flatcake.cio.restore import RestoreReport
 
         eng, fn = self.engine, LOOP.fn()
-        table = dst_table(layout) if fn is not None else None
-        if table is None or chunks.nbytes != eng.chunk_bytes or eng.cfg.gap_bytes < 0 or eng.max_io_bytes < ALIGN:
+        dest = dest_args(layout) if fn is not None else None
+        if dest is None or chunks.nbytes != eng.chunk_bytes or eng.cfg.gap_bytes < 0 or eng.max_io_bytes < ALIGN:
             return None  # (the Python plan raises where these are errors)
-        rep = self.zero_copy.restore(chunks, layout, table)
+        rep = self.zero_copy.restore(chunks, layout, dest.table, dest)
         if rep is not None:
             return rep
         t_wait = time.perf_counter()
@@ -159,22 +237,19 @@ class NativeRestore:
             run = self.plan_arrays(chunks, [b.tensor.data_ptr() for b in win.buffers[:2]])
             if run is None:
                 return None
-            g = layout.geometry
-            geo = {"plane_off": np.array(g.plane_offsets(), dtype=np.int64),
-                   "plane_rb": np.array(g.plane_row_bytes, dtype=np.int64)}
-            fds = self.posix.shared_fds(sorted(set(run["pfile"].tolist())))
+            pfile, a = run["pfile"].tolist(), run["addr"]
+            fds = self.posix.shared_fds(sorted(set(pfile)))
             try:
-                pfd = np.array([fds[fi][0] for fi in run["pfile"].tolist()], dtype=np.int64)
+                pfd = np.array([fds[fi][0] for fi in pfile], dtype=np.int64)
                 nthreads = max(1, min(eng.cfg.io_workers, len(pfd)))
                 self.idle_threads = fn(int(self.posix.direct_io), nthreads, CPU_THREADS, len(pfd), _a(pfd),
-                   *(_a(run[k]) for k in ("poff", "plen", "paddr", "pbatch", "pgot", "perr")), run["nb"],
-                   *(_a(run[k]) for k in ("own_lo", "rest_lo", "rest_hi", "cb0", "bbase", "ck0", "ck1", "cidx")),
+                   *(a[k] for k in ("poff", "plen", "paddr", "pbatch", "pgot", "perr")), run["nb"],
+                   *(a[k] for k in ("own_lo", "rest_lo", "rest_hi", "cb0", "bbase", "ck0", "ck1", "cidx")),
                    *(_a(np.ascontiguousarray(x)) for x in (chunks.page, chunks.layer, chunks.checksum,
                                                            chunks.has_checksum)),
-                   int(bool(eng.cfg.verify_checksums)), eng.chunk_bytes, table[0].shape[1], layout.geometry.page_size,
-                   _a(geo["plane_off"]), _a(geo["plane_rb"]), *(_a(np.ascontiguousarray(t)) for t in table),
-                   *(_a(run[k]) for k in ("cstatus", "left", "done")), int(eng.cfg.thread_policy == "idle"))
-                refused = bool((run["perr"] == errno_mod.EINVAL).any()) and self.posix.direct_io
+                   int(bool(eng.cfg.verify_checksums)), eng.chunk_bytes, dest.planes, dest.page_size, *dest.addrs,
+                   *(a[k] for k in ("cstatus", "left", "done")), int(eng.cfg.thread_policy == "idle"))
+                refused = self.posix.direct_io and _holds(run["perr"], errno_mod.EINVAL)
             finally:
                 self.posix.release_shared(refuse_direct=refused)
         finally:
@@ -182,13 +257,13 @@ class NativeRestore:
         t1 = time.perf_counter()
         if refused:  # O_DIRECT refused at read time: buffered from now on; this call again in Python
             return None
-        for k, fi in enumerate(run["pfile"].tolist()):  # a file that did not open: its own errno
+        for k, fi in enumerate(pfile):  # a file that did not open: its own errno
             if fds[fi][0] < 0:
                 run["perr"][k] = fds[fi][1]
         failed = self.failures(run, chunks)
         n, nread = len(chunks), run["bytes_read"]
-        return RestoreReport(failed_tags=frozenset(failed), pages=len(set(chunks.page.tolist())), chunks=n,
-                             merged_reads=run["reads"], bytes_read=nread,
+        return RestoreReport(failed_tags=frozenset(failed), pages=distinct_pages(chunks.page, dest.table[0].shape[0]),
+                             chunks=n, merged_reads=run["reads"], bytes_read=nread,
                              bytes_over_read=max(0, nread - n * eng.chunk_bytes), read_s=t1 - t0,
                              engine=eng.engine_name, wait_s=t0 - t_wait, batches=run["nb"], io_requests=len(pfd))
 
@@ -197,22 +272,21 @@ class NativeRestore:
         pieces in order (``pfile``, ``poff``, ``plen`` bytes, ``paddr`` addresses, ``pbatch``),
         then chunks (every batch's owned chunks grouped by piece, then every batch's straddling
         chunks) as buffer offsets ``cb0`` and positions ``cidx`` in ``chunks``, plus ``nb``
-        batches, ``reads`` merged reads and ``bytes_read``. The same arrays, in the same order,
+        batches, ``reads`` merged reads, ``bytes_read`` and ``addr`` (each array's address, ints,
+        by name). The same arrays, in the same order,
         as :meth:`reference_arrays` builds from the Python plan. ``bufs``: the window's two
         staging buffer addresses. ``None`` when the plan refuses (a bad descriptor, a read
         longer than the staging buffer: the Python pipeline raises)."""
         eng, n = self.engine, len(chunks)
         mp = n * max(1, eng.cfg.io_workers)  # pieces at most (batches: n at most)
         # two np.empty: np.zeros of more than 1 KiB gives the GIL up (calloc); the C plan fills
-        # every entry that is read, the rest is zeroed below over the actual sizes
-        words, u8 = np.empty(8 * mp + 1 + 8 * n + 8, dtype=np.int64), np.empty(2 * n, dtype=np.uint8)
-        sizes = [(k, mp) for k in ("pfile", "poff", "plen", "paddr", "pbatch", "pgot", "perr")] + [("own_lo", mp + 1)] + \
-            [(k, n) for k in ("rest_lo", "rest_hi", "bbase", "left", "cb0", "ck0", "ck1", "cidx")] + [("out", 8)]
-        r, addr, at, wa = {}, {}, 0, _a(words)  # addresses by arithmetic: one _a per allocation
-        for k, size in sizes:
-            r[k], addr[k], at = words[at: at + size], wa + 8 * at, at + size
-        r["cstatus"], r["done"], out = u8[:n], u8[n:], r.pop("out")
-        addr["cstatus"] = _a(u8)
+        # every entry that is read, the rest is zeroed below over the actual sizes; each array is
+        # sliced once, to its final size
+        starts, total = _word_layout(n, mp)
+        words, u8 = np.empty(total, dtype=np.int64), np.empty(2 * n, dtype=np.uint8)
+        wa, ua = _a(words), _a(u8)  # addresses by arithmetic: one _a per allocation
+        addr = {k: wa + 8 * at for k, at in starts.items()}
+        addr["cstatus"], addr["done"] = ua, ua + n
         rc = LOOP.fn().plan(n, *(_a(x) for x in (chunks.file_index, chunks.offset, chunks.tag, chunks.layer)),
                             eng.chunk_bytes, eng.cfg.gap_bytes, eng.max_io_bytes, ALIGN, eng.staging_bytes,
                             eng.cfg.io_workers, engines.MIN_PIECE_BYTES, bufs[0], bufs[1],
@@ -221,14 +295,13 @@ class NativeRestore:
                             addr["out"])
         if rc != 0:
             return None
-        npc, nb = int(out[0]), int(out[1])
-        for k in ("pfile", "poff", "plen", "paddr", "pbatch", "pgot", "perr"):
-            r[k] = r[k][:npc]
-        for k in ("rest_lo", "rest_hi", "bbase", "left", "done"):
-            r[k] = r[k][:nb]
-        r["own_lo"] = r["own_lo"][:npc + 1]
+        npc, nb, reads, nread = words[starts["out"]: starts["out"] + 4].tolist()
+        r = {k: words[starts[k]: starts[k] + size] for k, size in
+             [(k, npc) for k in _PIECE_KEYS] + [("own_lo", npc + 1)] + [(k, nb) for k in _BATCH_KEYS] +
+             [(k, n) for k in _CHUNK_KEYS]}
+        r["cstatus"], r["done"] = u8[:n], u8[n: n + nb]
         r["pgot"][:], r["perr"][:], r["done"][:] = 0, 0, 0
-        r.update(nb=nb, reads=int(out[2]), bytes_read=int(out[3]))
+        r.update(nb=nb, reads=reads, bytes_read=nread, addr=addr)
         return r
 
     def reference_arrays(self, chunks: ChunkBatch, bufs: list, layout) -> dict:
@@ -250,8 +323,9 @@ class NativeRestore:
         ``perr``, ``pfile``, ``poff``, ``pgot``; chunk arrays ``cstatus``, ``cidx`` (position in
         ``chunks``), ``ck0``/``ck1`` (first and last piece holding it)."""
         eng = self.engine
-        for k in np.flatnonzero(run["perr"] > 0).tolist():
-            e = int(run["perr"][k])
+        perr = run["perr"]
+        for k in _positive(perr):
+            e = int(perr[k])
             path = self.posix.path_of(int(run["pfile"][k]))
             eng.errors.report("read", errno_mod.errorcode.get(e, str(e)),
                               f"{path} @ {int(run['poff'][k]) + int(run['pgot'][k])}: {e}")
@@ -270,6 +344,21 @@ class NativeRestore:
                 eng.errors.report("read", "short read", f"file {int(chunks.file_index[i])} ends before byte "
                                   f"{int(chunks.offset[i]) + eng.chunk_bytes} (chunk tag {int(chunks.tag[i])})")
         return chunks.tag[idx[bad]].tolist()
+
+
+def _holds(a: np.ndarray, v: int) -> bool:
+    """Whether ``a`` (int64 ``[n]``, one entry per piece) holds ``v``: through a list where
+    short (a few pieces: one call instead of two numpy ones)."""
+    if a.shape[0] <= 64:
+        return v in a.tolist()
+    return bool((a == v).any())
+
+
+def _positive(a: np.ndarray) -> list[int]:
+    """Positions of the entries > 0 of ``a`` (int64 ``[n]``), through a list where short."""
+    if a.shape[0] <= 64:
+        return [k for k, e in enumerate(a.tolist()) if e > 0]
+    return np.flatnonzero(a > 0).tolist()
 
 
 def _reference(sts: list) -> dict:
@@ -302,4 +391,4 @@ def _reference(sts: list) -> dict:
     return r
 
 
-__all__ = ["LOOP", "NativeRestore", "dst_table"]
+__all__ = ["LOOP", "DestArgs", "NativeRestore", "dest_args", "distinct_pages", "dst_table"]

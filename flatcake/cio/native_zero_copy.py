@@ -28,6 +28,7 @@ import ctypes
 import errno as errno_mod
 import logging
 import time
+import weakref
 from typing import Optional
 
 import numpy as np
@@ -116,19 +117,40 @@ class ZeroCopy:
         self.native = native
         self.calls = 0
         self.refused = False
+        #: :func:`eligible` results by layout object (weak) and alignment value (issue 11)
+        self._eligible: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         LOOP.fn()
 
-    def restore(self, chunks: ChunkBatch, layout, table) -> Optional[object]:
+    def eligible_cached(self, layout, align: int, check) -> bool:
+        """``check()`` (a call of :func:`eligible` for ``layout``, bool) once per layout object and
+        alignment value ``align`` (bytes); the chunk size is this engine's, fixed. A layout that
+        takes no weak reference is checked every call."""
+        got = self._eligible.get(layout)
+        if got is not None and align in got:
+            return got[align]
+        ok = bool(check())
+        try:
+            self._eligible.setdefault(layout, {})[align] = ok
+        except TypeError:
+            pass
+        return ok
+
+    def restore(self, chunks: ChunkBatch, layout, table, dest=None) -> Optional[object]:
         """One restore read straight into the slots; returns a
         :class:`~flatcake.cio.restore.RestoreReport`, or ``None`` when the staging path must
-        run the call instead (off, not eligible; nothing delivered it would not deliver again)."""
-        from flatcake.cio.restore import RestoreReport
-
+        run the call instead (off, not eligible; nothing delivered it would not deliver again).
+        ``dest``: the layout's :class:`~flatcake.cio.native_restore.DestArgs` (built here when
+        ``None``)."""
         nat, fn = self.native, LOOP.fn()
         eng, posix = nat.engine, nat.posix
-        if fn is None or self.refused or not len(chunks) or not eligible(table, layout.geometry, eng.chunk_bytes,
-                                                                         posix.dio_align):
+        align = posix.dio_align
+        if fn is None or self.refused or not len(chunks) or not self.eligible_cached(
+                layout, align, lambda: eligible(table, layout.geometry, eng.chunk_bytes, align)):
             return None
+        from flatcake.cio.native_restore import DestArgs, distinct_pages
+        from flatcake.cio.restore import RestoreReport
+
+        dest = DestArgs(layout, table) if dest is None else dest
         t_wait = time.perf_counter()
         win = eng.staging.acquire()  # (not used: it bounds the restores in flight, cio.windows)
         t0 = time.perf_counter()
@@ -136,7 +158,7 @@ class ZeroCopy:
             files = sorted(set(chunks.file_index.tolist()))
             fds = posix.shared_fds(files)
             try:
-                r, rc = self._run(fn, chunks, layout, table, fds)
+                r, rc = self._run(fn, chunks, dest, fds)
             finally:
                 posix.release_shared()
         finally:
@@ -154,13 +176,15 @@ class ZeroCopy:
         failed = nat.failures(self._failure_view(r), chunks)
         self.calls += 1
         n, nread = len(chunks), r["bytes_read"]
-        return RestoreReport(failed_tags=frozenset(failed), pages=len(set(chunks.page.tolist())), chunks=n,
+        pages = distinct_pages(chunks.page, dest.table[0].shape[0])
+        return RestoreReport(failed_tags=frozenset(failed), pages=pages, chunks=n,
                              merged_reads=r["reads"], bytes_read=nread,
                              bytes_over_read=max(0, nread - n * eng.chunk_bytes), read_s=t1 - t0,
                              engine=eng.engine_name, wait_s=t0 - t_wait, batches=0, io_requests=r["np"])
 
-    def _run(self, fn, chunks: ChunkBatch, layout, table, fds: dict) -> tuple[dict, int]:
-        """The C call: arrays in, ``(arrays out, return code)``."""
+    def _run(self, fn, chunks: ChunkBatch, dest, fds: dict) -> tuple[dict, int]:
+        """The C call: arrays in, ``(arrays out, return code)``; ``dest``: the layout's
+        :class:`~flatcake.cio.native_restore.DestArgs`."""
         from flatcake.cio.native_restore import CPU_THREADS
 
         eng, n = self.native.engine, len(chunks)
@@ -170,20 +194,17 @@ class ZeroCopy:
         w = np.empty(8 * n + 5, dtype=np.int64)
         r = {k: w[i * n: (i + 1) * n] for i, k in enumerate(("ord", "pfd", "pfile", "poff", "plen", "pgot", "perr"))}
         r["plo"], out, r["cstatus"] = w[7 * n: 8 * n + 1], w[8 * n + 1:], np.empty(n, dtype=np.uint8)
-        g = layout.geometry
-        geo = [np.array(g.plane_offsets(), dtype=np.int64), np.array(g.plane_row_bytes, dtype=np.int64)]
+        wa = w.ctypes.data  # the word arrays' addresses by arithmetic: one lookup
         cols = [np.ascontiguousarray(x) for x in (chunks.file_index, chunks.offset, chunks.tag, chunks.page,
                                                    chunks.layer, chunks.checksum, chunks.has_checksum)]
-        tb, ts0 = np.ascontiguousarray(table[0]), np.ascontiguousarray(table[1])
         cfg = eng.cfg
         rc = fn(int(self.native.posix.direct_io), max(1, cfg.io_workers), CPU_THREADS,
                 int(cfg.thread_policy == "idle"), n, *(c.ctypes.data for c in cols), int(bool(cfg.verify_checksums)),
                 fdmap.ctypes.data, fdmap.shape[0], eng.chunk_bytes, cfg.gap_bytes, eng.max_io_bytes,
                 self.native.posix.dio_align,
-                cfg.io_workers, engines.MIN_PIECE_BYTES, len(g.plane_row_bytes), g.page_size,
-                geo[0].ctypes.data, geo[1].ctypes.data, tb.ctypes.data, ts0.ctypes.data,
-                *(r[k].ctypes.data for k in ("ord", "pfd", "pfile", "poff", "plen", "plo", "pgot", "perr",
-                                              "cstatus")), out.ctypes.data)
+                cfg.io_workers, engines.MIN_PIECE_BYTES, dest.planes, dest.page_size, *dest.addrs[:4],
+                *(wa + 8 * i * n for i in range(5)), wa + 56 * n, wa + 40 * n, wa + 48 * n,  # ord..plen plo pgot perr
+                r["cstatus"].ctypes.data, wa + 8 * (8 * n + 1))
         if rc != 0:
             return r, int(rc)
         npc = int(out[0])

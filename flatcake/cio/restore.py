@@ -239,7 +239,7 @@ class RestoreEngine:
 
     # ------------------------------------------------------------------ restore
     def _check(self, chunks: ChunkBatch, layout) -> None:
-        """Vectorized argument check (min/max over the batch's arrays)."""
+        """Vectorized argument check (one unsigned max over each of ``page`` and ``layer``)."""
         if layout.device.type != self.device.type:
             raise ValueError(f"layout on {layout.device} but staging on {self.device}")
         if layout.geometry.chunk_bytes != self.chunk_bytes:
@@ -256,8 +256,8 @@ class RestoreEngine:
         elif (nb != self.chunk_bytes).any():
             i = int(np.argmax(nb != self.chunk_bytes))
             raise ValueError(f"chunk tag {int(chunks.tag[i])}: nbytes {int(nb[i])} != chunk_bytes {self.chunk_bytes}")
-        p, l = chunks.page, chunks.layer
-        if int(p.min()) < 0 or int(p.max()) >= N or int(l.min()) < 0 or int(l.max()) >= L:
+        p, l = chunks.page, chunks.layer  # int64: a negative entry viewed as uint64 is >= 2**63
+        if int(p.view(np.uint64).max()) >= N or int(l.view(np.uint64).max()) >= L:
             i = int(np.argmax((p < 0) | (p >= N) | (l < 0) | (l >= L)))
             raise ValueError(f"chunk tag {int(chunks.tag[i])}: page {int(p[i])}/layer {int(l[i])} outside layout "
                              f"({N} pages, {L} layers)")
