@@ -5,10 +5,10 @@ buffer, hashes each chunk there and copies its planes into the page slots: the c
 of CPU per GB (issue 11, docs/performance.md). When every chunk's planes are contiguous bytes
 in the destination (host layouts ``layer_first`` and ``page_first_direct``; ``page_first`` has
 token-strided rows and keeps the staging path) and every plane's destination address and
-length, the chunk size and (checked in C) every chunk's file offset are multiples of the pool
-device's zero-copy alignment (:attr:`~flatcake.cio.engines.PosixEngine.dio_align`, probed once
-at start-up: 4096, or 512 where the device has no virtual boundary), one GIL-free C call
-(:mod:`flatcake.cio.native_zero_copy_c`) plans the reads with pieces of whole chunks, reads
+length, the chunk size and (checked in C) every chunk's file offset are multiples of the
+engine's zero-copy alignment (:attr:`~flatcake.cio.engines.PosixEngine.dio_align`: 4096; 512
+works on a device without a virtual boundary but did not pay, docs/performance.md), one GIL-free
+C call (:mod:`flatcake.cio.native_zero_copy_c`) plans the reads with pieces of whole chunks, reads
 each piece with ``preadv`` whose iovecs are the chunks' plane slots (bridged holes go to a
 scratch buffer) and verifies each chunk's xxh3-64 in place with XXH3's streaming API over its
 planes (python-xxhash's own ``XXH3_64bits_reset/_update/_digest``).
@@ -91,9 +91,8 @@ def eligible(table, geometry, chunk_bytes: int, align: int = ALIGN) -> bool:
         geometry: the layout's :class:`~flatcake.layout.PageGeometry`.
         chunk_bytes: bytes per (page, layer) chunk.
         align: bytes: the pool device's zero-copy alignment (the engine's
-            :attr:`~flatcake.cio.engines.PosixEngine.dio_align`: 4096, or 512 on a device
-            without a virtual boundary, where e.g. MLA's 18,432-byte planes at 16-token pages
-            qualify).
+            :attr:`~flatcake.cio.engines.PosixEngine.dio_align`, 4096; at 512, e.g. MLA's
+            18,432-byte planes at 16-token pages would qualify).
 
     Returns:
         True when every plane is contiguous in its slot (row stride = row bytes) and the plane
