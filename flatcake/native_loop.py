@@ -67,16 +67,19 @@ class NativeLoop:
     Args:
         build: ``() -> (callable or None, why)``: compiles and binds the loop (typically with
             :func:`compile_shim`); the callable must keep its library referenced.
-        env: environment variable that disables the loop when set to ``"0"``.
+        env: environment variable that disables the loop when set to ``"0"`` (with
+            ``default_on=False``: that enables it when set to ``"1"``).
         fallback_note: what runs instead, for the INFO line.
+        default_on: whether the loop is used when ``env`` is unset.
 
     Attributes:
         state: ``{"fn": callable or None}`` once built (tests set ``fn`` to ``None`` to force
             the fallback).
     """
 
-    def __init__(self, build: Callable[[], tuple], env: str, fallback_note: str):
+    def __init__(self, build: Callable[[], tuple], env: str, fallback_note: str, default_on: bool = True):
         self.build, self.env, self.fallback_note = build, env, fallback_note
+        self.default_on = default_on
         self.state: dict = {}
         self._lock = threading.Lock()
 
@@ -85,8 +88,8 @@ class NativeLoop:
         if "fn" not in self.state:
             with self._lock:
                 if "fn" not in self.state:
-                    fn, why = (None, f"disabled by {self.env}=0") if os.environ.get(self.env, "1") == "0" \
-                        else self.build()
+                    on = os.environ.get(self.env, "1" if self.default_on else "0") != "0"
+                    fn, why = self.build() if on else (None, f"{self.env}={os.environ.get(self.env, '0 (default)')}")
                     if fn is None:
                         log.info("%s (%s)", self.fallback_note, why)
                     self.state["fn"] = fn

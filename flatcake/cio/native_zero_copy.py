@@ -19,7 +19,9 @@ the staging path, so its page is a miss, and SGLang never uses the slots of a pa
 missing. The staging path keeps its guarantee (a failed chunk's slots untouched). Slots of
 pages not requested are never written. Anything not eligible (another layout, an unaligned
 pool, chunk offset or size, overlapping chunks, an O_DIRECT refusal of the pool's memory)
-takes the staging path for the whole call; ``FLATCAKE_ZERO_COPY=0`` turns this mode off.
+takes the staging path for the whole call. Off by default (``FLATCAKE_ZERO_COPY=1`` turns it
+on): since the staging windows are in huge pages the staging path is faster at the same CPU
+per GB on the development machine (docs/performance.md, "The full sweep").
 """
 
 from __future__ import annotations
@@ -78,8 +80,10 @@ def _build():
     return run, ""
 
 
-#: the zero-copy C restore (``FLATCAKE_ZERO_COPY=0`` turns it off)
-LOOP = NativeLoop(_build, "FLATCAKE_ZERO_COPY", "FC-CIO restore: staging copy for every restore (no zero copy)")
+#: the zero-copy C restore: off unless ``FLATCAKE_ZERO_COPY=1`` — with huge-page staging windows
+#: the staging path restores faster at the same CPU per GB (docs/performance.md, "The full sweep")
+LOOP = NativeLoop(_build, "FLATCAKE_ZERO_COPY", "FC-CIO restore: staging copy for every restore (no zero copy)",
+                  default_on=False)
 
 
 def eligible(table, geometry, chunk_bytes: int, align: int = ALIGN) -> bool:

@@ -109,3 +109,19 @@ def test_a_page_or_layer_outside_the_layout_is_refused(ext4_dir, page, layer):
     with RestoreEngine(CioConfig(io_workers=1), path_fn(ext4_dir), direct_io=False, chunk_bytes=cb) as eng:
         with pytest.raises(ValueError, match="outside layout"):
             eng.restore(chunk_batch([(0, 0, cb, 15, 2, 0, None), (0, cb, cb, page, layer, 7, None)]), lay)
+
+
+def test_zero_copy_is_off_unless_flatcake_zero_copy_is_1(monkeypatch):
+    from flatcake.cio import native_zero_copy
+    from flatcake.native_loop import NativeLoop
+
+    assert native_zero_copy.LOOP.env == "FLATCAKE_ZERO_COPY" and native_zero_copy.LOOP.default_on is False
+    monkeypatch.delenv("FC_TEST_LOOP", raising=False)
+    off = NativeLoop(lambda: ((lambda: 41), ""), "FC_TEST_LOOP", "fallback", default_on=False)
+    assert off.fn() is None  # unset: the fallback
+    monkeypatch.setenv("FC_TEST_LOOP", "1")
+    on = NativeLoop(lambda: ((lambda: 41), ""), "FC_TEST_LOOP", "fallback", default_on=False)
+    assert on.fn()() == 41
+    monkeypatch.setenv("FC_TEST_LOOP", "0")
+    default_on = NativeLoop(lambda: ((lambda: 42), ""), "FC_TEST_LOOP", "fallback")
+    assert default_on.fn() is None  # a default-on loop turned off by "0", as before

@@ -18,7 +18,14 @@ from flatcake.config import CioConfig
 from flatcake.layout import KvPageLayout
 from flatcake.media.directio import dio_alignment
 
-pytestmark = pytest.mark.skipif(native_zero_copy.LOOP.fn() is None, reason="no C compiler or streaming XXH3")
+ZC_FN = native_zero_copy.LOOP.build()[0]  # built here: the mode is off unless FLATCAKE_ZERO_COPY=1
+pytestmark = pytest.mark.skipif(ZC_FN is None, reason="no C compiler or streaming XXH3")
+
+
+@pytest.fixture(autouse=True)
+def zero_copy_on(monkeypatch):
+    """Every test here runs with the mode on (as ``FLATCAKE_ZERO_COPY=1``)."""
+    monkeypatch.setitem(native_zero_copy.LOOP.state, "fn", ZC_FN)
 
 L, P = 3, 4  # layers, tokens per page: MHA 1 KiB rows (4 KiB planes, 8 KiB chunks), MLA 1 KiB (4 KiB)
 BASE = 3 * 4096  # extent start in the file (aligned)
