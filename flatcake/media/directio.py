@@ -14,7 +14,7 @@ from __future__ import annotations
 import mmap
 import os
 import threading
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 import torch
@@ -39,20 +39,20 @@ def drop_page_cache(path: str, sync: bool = True) -> bool:
         os.close(fd)
 
 
-def probe_direct_io(directory: str) -> bool:
-    """True if ``directory``'s filesystem accepts 4 KiB-aligned O_DIRECT reads and writes."""
-    if not hasattr(os, "O_DIRECT"):
-        return False
-    path = os.path.join(directory, f".fc-odirect-probe-{os.getpid()}-{threading.get_ident()}")
+def _dio_roundtrip(directory: str, name: str, read: Callable[[int, np.ndarray], bool]) -> bool:
+    """Write one 4 KiB block of ``"F"`` with O_DIRECT into a scratch file in ``directory``, then
+    return ``read(fd, buf)`` (the caller's O_DIRECT read check; ``buf`` the page-aligned 4 KiB
+    buffer); False where the file does not open or any step raises OSError. The file is removed."""
+    path = os.path.join(directory, f".fc-{name}-probe-{os.getpid()}-{threading.get_ident()}")
     buf = aligned_host_buffer(ALIGN)[1]
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)
-    except OSError:
+    except (OSError, AttributeError):
         return False
     try:
         buf[:] = ord("F")
         os.pwritev(fd, [buf], 0)
-        return os.preadv(fd, [buf], 0) == ALIGN
+        return read(fd, buf)
     except OSError:
         return False
     finally:
@@ -61,6 +61,13 @@ def probe_direct_io(directory: str) -> bool:
             os.unlink(path)
         except OSError:
             pass
+
+
+def probe_direct_io(directory: str) -> bool:
+    """True if ``directory``'s filesystem accepts 4 KiB-aligned O_DIRECT reads and writes."""
+    if not hasattr(os, "O_DIRECT"):
+        return False
+    return _dio_roundtrip(directory, "odirect", lambda fd, buf: os.preadv(fd, [buf], 0) == ALIGN)
 
 
 def _queue_int(queue: str, name: str) -> Optional[int]:
@@ -74,25 +81,11 @@ def _queue_int(queue: str, name: str) -> Optional[int]:
 def _dio_reads_at(directory: str, a: int) -> bool:
     """Whether an O_DIRECT read of ``a`` bytes at file offset ``a`` into memory ``a`` bytes past a
     page boundary works in ``directory`` (the filesystem may need more than its device)."""
-    path = os.path.join(directory, f".fc-dioalign-probe-{os.getpid()}-{threading.get_ident()}")
-    buf = aligned_host_buffer(ALIGN)[1]
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)
-    except (OSError, AttributeError):
-        return False
-    try:
-        buf[:] = ord("F")
-        os.pwritev(fd, [buf], 0)
+    def read(fd: int, buf: np.ndarray) -> bool:
         os.lseek(fd, a, os.SEEK_SET)
         return os.readv(fd, [memoryview(buf)[a: 2 * a]]) == a
-    except OSError:
-        return False
-    finally:
-        os.close(fd)
-        try:
-            os.unlink(path)
-        except OSError:
-            pass
+
+    return _dio_roundtrip(directory, "dioalign", read)
 
 
 def dio_alignment(directory: str, sysfs: str = "/sys", verify: bool = True) -> int:
