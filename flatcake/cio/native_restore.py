@@ -96,20 +96,31 @@ def dst_table(layout) -> Optional[tuple[np.ndarray, np.ndarray, np.ndarray]]:
     """Per (layer, plane) destination of a CPU layout: base address, page stride and token-row
     stride in bytes (int64 ``[layers, planes]`` each, read-only), or ``None`` when a plane's rows
     are not contiguous bytes (then the Python pipeline copies). Computed once per layout object."""
-    got = _TABLES.get(layout, _TABLES)
-    if got is not _TABLES:
+    return _per_layout(_TABLES, layout, _dst_table)
+
+
+def _per_layout(cache: weakref.WeakKeyDictionary, layout, build):
+    """``build(layout)`` once per live layout object (``cache`` holds it, ``None`` included);
+    a layout that takes no weak reference gets it built on each call."""
+    got = cache.get(layout, cache)
+    if got is not cache:
         return got
-    table = _dst_table(layout)
-    for t in table or ():
-        t.flags.writeable = False  # shared by every restore into this layout
+    value = build(layout)
     try:
-        _TABLES[layout] = table
-    except TypeError:  # a layout that takes no weak reference: computed each call
+        cache[layout] = value
+    except TypeError:
         pass
-    return table
+    return value
 
 
 def _dst_table(layout) -> Optional[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    table = _dst_rows(layout)
+    for t in table or ():
+        t.flags.writeable = False  # shared by every restore into this layout
+    return table
+
+
+def _dst_rows(layout) -> Optional[tuple[np.ndarray, np.ndarray, np.ndarray]]:
     g = layout.geometry
     L, J = g.layers, len(g.plane_row_bytes)
     base, s0, s1 = (np.empty((L, J), dtype=np.int64) for _ in range(3))
@@ -152,16 +163,11 @@ class DestArgs:
 def dest_args(layout) -> Optional[DestArgs]:
     """The layout's :class:`DestArgs` (``None`` where :func:`dst_table` is ``None``: the Python
     pipeline copies), computed once per layout object (paper §3.3, FC-CIO; issue 11)."""
-    got = _DESTS.get(layout, _DESTS)
-    if got is not _DESTS:
-        return got
-    table = dst_table(layout)
-    dest = None if table is None else DestArgs(layout, table)
-    try:
-        _DESTS[layout] = dest
-    except TypeError:  # a layout that takes no weak reference: built each call
-        pass
-    return dest
+    def build(lay):
+        table = dst_table(lay)
+        return None if table is None else DestArgs(lay, table)
+
+    return _per_layout(_DESTS, layout, build)
 
 
 def distinct_pages(page: np.ndarray, layers: int) -> int:
