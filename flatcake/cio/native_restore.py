@@ -51,6 +51,9 @@ _I64 = ctypes.c_int64
 #: threads of one restore that verify and copy at once: all cores but one, so SGLang's
 #: scheduler thread finds a free core (the other threads keep reading meanwhile)
 CPU_THREADS = max(1, (os.cpu_count() or 2) - 1)
+#: copies into the host pool by streaming (non-temporal) stores on x86-64 (the C source's
+#: ``copy_rows``); ``FLATCAKE_STREAMING_STORES=0``: ``memcpy`` (for A/B measurements)
+STREAMING_STORES = os.environ.get("FLATCAKE_STREAMING_STORES", "1") != "0"
 _P = ctypes.c_void_p
 
 
@@ -64,7 +67,7 @@ def _build():
     if lib is None:
         return None, why
     fn, plan = lib.fc_restore_run, lib.fc_restore_plan
-    fn.argtypes = [_P, _I64, _I64, _I64, _I64] + [_P] * 7 + [_I64] + [_P] * 12 + [_I64] * 4 + [_P] * 8 + [_I64]
+    fn.argtypes = [_P, _I64, _I64, _I64, _I64] + [_P] * 7 + [_I64] + [_P] * 12 + [_I64] * 4 + [_P] * 8 + [_I64] * 2
     fn.restype = _I64
     # the plan (~0.1 ms for 2,048 chunks) keeps the GIL: giving it up next to a thread burning
     # Python CPU could cost a 5 ms switch interval to get back
@@ -254,7 +257,8 @@ class NativeRestore:
                    *(_a(np.ascontiguousarray(x)) for x in (chunks.page, chunks.layer, chunks.checksum,
                                                            chunks.has_checksum)),
                    int(bool(eng.cfg.verify_checksums)), eng.chunk_bytes, dest.planes, dest.page_size, *dest.addrs,
-                   *(a[k] for k in ("cstatus", "left", "done")), int(eng.cfg.thread_policy == "idle"))
+                   *(a[k] for k in ("cstatus", "left", "done")), int(eng.cfg.thread_policy == "idle"),
+                   int(STREAMING_STORES))
                 refused = self.posix.direct_io and _holds(run["perr"], errno_mod.EINVAL)
             finally:
                 self.posix.release_shared(refuse_direct=refused)

@@ -42,12 +42,16 @@ def calls(monkeypatch):
     return seen
 
 
+@pytest.mark.parametrize("streaming", [True, False])
 @pytest.mark.parametrize("kind", ["mha", "mla"])
 @pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct"])
-def test_one_call_restore_matches_the_python_pipeline_bit_for_bit(ext4_dir, monkeypatch, calls, kind, layout):
+def test_one_call_restore_matches_the_python_pipeline_bit_for_bit(ext4_dir, monkeypatch, calls, kind, layout,
+                                                                  streaming):
     # 4 KiB pieces, an odd base and small staging buffers: several batches over both buffers,
-    # chunks owned by one piece and chunks straddling two, non-contiguous destination pages
+    # chunks owned by one piece and chunks straddling two, non-contiguous destination pages;
+    # MHA's 64 B rows take the streaming stores (when on), MLA's 48 B rows memcpy
     monkeypatch.setattr(engines_mod, "MIN_PIECE_BYTES", 4096)
+    monkeypatch.setattr(native_restore, "STREAMING_STORES", streaming)
     M = 64  # pages: enough bytes for several 8 KiB batches with either kind
     out = {}
     for native in (True, False):
