@@ -160,6 +160,11 @@ class RegisteredBuffer:
         endpoint: the engine to register with.
         nbytes: size in bytes (a positive multiple of 4096).
 
+    The buffer is made once and kept (staging ring, landing buffer, outbox), so it asks for
+    transparent huge pages and is faulted in at start-up, like FC-CIO's staging windows
+    (:func:`~flatcake.media.directio.aligned_host_buffer`, ``huge=True``; ``FLATCAKE_HUGEPAGES=0``:
+    ordinary pages): the owner's O_DIRECT reads and both engines' socket copies walk 2 MiB pages.
+
     Attributes:
         array: uint8 ``[nbytes]`` numpy view; ``addr``: its address.
 
@@ -169,7 +174,7 @@ class RegisteredBuffer:
     """
 
     def __init__(self, endpoint: TransferEndpoint, nbytes: int):
-        _t, self.array, self._mapping = aligned_host_buffer(nbytes)
+        _t, self.array, self._mapping = aligned_host_buffer(nbytes, huge=True)
         self.nbytes = nbytes
         self.addr = int(self.array.ctypes.data)
         endpoint.register(self.addr, nbytes)
