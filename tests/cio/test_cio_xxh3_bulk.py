@@ -49,3 +49,26 @@ def test_offsets_outside_the_buffer_are_refused(buf):
     with pytest.raises(ValueError):
         xxh3_bulk.xxh3_at(buf, [-1], 64)
     assert xxh3_bulk.xxh3_at(buf, [], 64).shape == (0,)
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_xxh3_copy_copies_exactly_the_matching_chunks(buf, monkeypatch, native):
+    # fused check and copy (remote reads): unaligned chunks out of order, one torn
+    if not native:
+        monkeypatch.setitem(xxh3_bulk.LOOP.state, "fn", None)
+    cb, k = 1152, 40
+    starts = np.random.default_rng(3).permutation(k) * cb + 5
+    want = np.array(_want(buf, starts.tolist(), cb), dtype=np.uint64)
+    want[7] ^= np.uint64(1)
+    dst = np.zeros(k * cb + 64, dtype=np.uint8)
+    at = np.arange(k, dtype=np.int64)[::-1] * cb + 64
+    state = xxh3_bulk.xxh3_copy(buf, starts, cb, want, dst, at)
+    assert state.dtype == np.int8 and state.tolist() == [1] * 7 + [-1] + [1] * (k - 8)
+    for i in range(k):
+        got = dst[at[i]: at[i] + cb]
+        assert (not got.any()) if i == 7 else got.tobytes() == buf[starts[i]: starts[i] + cb].tobytes()
+    assert not dst[:64].any()
+    with pytest.raises(ValueError):
+        xxh3_bulk.xxh3_copy(buf, starts, cb, want, dst, at + cb)  # last destination past the end
+    with pytest.raises(ValueError):
+        xxh3_bulk.xxh3_copy(buf, starts, cb, want[:-1], dst, at)

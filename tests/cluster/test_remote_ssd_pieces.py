@@ -39,7 +39,7 @@ def test_edge_bytes_make_the_first_and_last_piece_small_and_the_middle_ones_equa
     assert [p.used for p in plan_pieces(_layer_major(32, 4, 65536), FILE, 16 * MIB, edge_bytes=4 * MIB)] == [8 * MIB]
 
 
-def test_copy_verified_copies_matching_chunks_as_runs_and_marks_mismatches():
+def test_copy_verified_copies_matching_chunks_and_marks_mismatches():
     rng = np.random.default_rng(7)
     cb, pages, layers = 4096, 16, 4
     land = rng.integers(0, 256, (pages * layers + 4) * cb, dtype=np.uint8)
