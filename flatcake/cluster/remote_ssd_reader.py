@@ -7,7 +7,7 @@ Lifecycle of one read::
       -> per ``ready`` piece: Transfer Engine pull of the owner's staging slot into a window of our
          registered landing buffer (several pulls in flight), ``release`` the slot, start the pulls
          of ``ready`` answers already queued, then check the piece's chunks against their records'
-         xxh3-64 (one GIL-free call) and copy the matching ones into their pages (:func:`copy_verified`)
+         xxh3-64 and copy the matching ones into their pages (one GIL-free call, :func:`copy_verified`)
       -> hit (every chunk arrived and matched) or miss per page (never other bytes)
 
 An owner silent for ``timeout_s`` (killed, cut off, overloaded) ends the read: every page not
@@ -27,7 +27,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from flatcake.cio.xxh3_bulk import xxh3_at
+from flatcake.cio.xxh3_bulk import xxh3_copy
 from flatcake.cluster.records import RemotePage
 from flatcake.cluster.transfer import DataPlaneDescriptor, LandingPool, RemoteReadResult, TransferEndpoint
 from flatcake.gva.address import MEDIUM_SSD, OFFSET_MASK, medium_of
@@ -57,28 +57,18 @@ def copy_verified(land: np.ndarray, starts: np.ndarray, rows_at: np.ndarray, wan
         rows_at: int64 ``[k]`` each chunk's row of ``rows`` (global chunk index, page * layers + layer).
         want: uint64 ``[rows]`` expected xxh3-64 per row; state: int8 ``[rows]``, set to 1 (copied)
             or -1 (mismatch, not copied) for each chunk.
-        rows: uint8 ``[rows, chunk_bytes]``, the destination (a page's chunks are consecutive rows).
+        rows: C-contiguous uint8 ``[rows, chunk_bytes]``, the destination.
 
-    One GIL-free C call hashes the ``k`` chunks (:func:`flatcake.cio.xxh3_bulk.xxh3_at`, the same
-    bits as ``xxhash.xxh3_64_intdigest``); matching chunks are copied as runs — consecutive in
-    ``land`` and evenly spaced in ``rows`` (a layer's chunks of consecutive pages) — one numpy
-    copy per run. Raises ValueError for an offset outside ``land`` (a caller's bug).
+    One GIL-free C call hashes each chunk and, where it matches, copies it while it is still in
+    cache (:func:`flatcake.cio.xxh3_bulk.xxh3_copy`, the same bits as
+    ``xxhash.xxh3_64_intdigest``). Raises ValueError for an offset outside ``land`` or ``rows``,
+    or ``rows`` not contiguous (a caller's bug).
     """
+    if not rows.flags.c_contiguous:
+        raise ValueError("copy_verified: rows must be C-contiguous")
     cb = rows.shape[1]
-    ok = xxh3_at(land, starts, cb) == want[rows_at]
-    state[rows_at] = np.where(ok, 1, -1)
-    s, g = starts[ok], rows_at[ok]
-    if not s.size:
-        return
-    ds, dg = np.diff(s), np.diff(g)
-    brk = (ds != cb) | (dg <= 0)
-    brk[1:] |= dg[1:] != dg[:-1]
-    ends = np.append(np.flatnonzero(brk) + 1, s.size).tolist()
-    a = 0
-    for b in ends:
-        step = int(dg[a]) if b - a > 1 else 1
-        rows[int(g[a]): int(g[b - 1]) + 1: step] = land[int(s[a]): int(s[a]) + (b - a) * cb].reshape(b - a, cb)
-        a = b
+    rows_at = np.asarray(rows_at, dtype=np.int64)
+    state[rows_at] = xxh3_copy(land, starts, cb, want[rows_at], rows.reshape(-1), rows_at * cb)
 
 
 class RemoteSsdReader:
