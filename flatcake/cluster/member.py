@@ -77,6 +77,9 @@ class ClusterMember:
         self._jobs: "queue.SimpleQueue" = queue.SimpleQueue()
         self._seq: dict[int, int] = {}  # scope id -> next round number published
         self._read_lock = threading.Lock()  # one remote read at a time (one landing buffer)
+        #: where remote reads copy verified pages before they are scattered into the host pool:
+        #: kept and grown under _read_lock (a new array per read would page-fault every byte)
+        self._pages_out = np.empty((0, self.geometry.page_bytes), dtype=np.uint8)
         self._count_lock = threading.Lock()  # counters are bumped from SGLang's threads
         self._worker: Optional[threading.Thread] = None
         self._closed = False
@@ -243,11 +246,13 @@ class ClusterMember:
                 return 0
             g = self.geometry
             with self._read_lock:
-                res = self.plane.read(pages, g.layers, g.chunk_bytes)
-            h = int(np.argmin(res.hit)) if not res.hit.all() else len(pages)
-            if h:
-                self._scatter(res.data[:h], layout, [int(page_ids[n + i]) for i in range(h)])
-                out[n: n + h] = [True] * h
+                if len(self._pages_out) < len(pages):
+                    self._pages_out = np.empty((len(pages), g.page_bytes), dtype=np.uint8)
+                res = self.plane.read(pages, g.layers, g.chunk_bytes, self._pages_out)
+                h = int(np.argmin(res.hit)) if not res.hit.all() else len(pages)
+                if h:
+                    self._scatter(res.data[:h], layout, [int(page_ids[n + i]) for i in range(h)])
+                    out[n: n + h] = [True] * h
             self._count_read(pages, res, h)
             return h
         except Exception as e:  # noqa: BLE001
