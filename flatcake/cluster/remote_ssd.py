@@ -66,14 +66,28 @@ class Piece:
     used: int = 0
 
 
-def _piece_caps(ranges: Sequence[Sequence[int]], order: list, file_bytes: int, slot_bytes: int, edge_bytes: int):
+def _spans(ranges: Sequence[Sequence[int]], file_bytes: int, slot_bytes: int) -> list[tuple[int, int, int, int, int]]:
+    """The ranges in offset order as ``(j, file_index, in-file offset, aligned start, aligned end)``
+    (bytes; 4 KiB alignment). Raises ValueError: a range crosses a file end or needs more than a slot."""
+    spans = []
+    for j in sorted(range(len(ranges)), key=lambda j: ranges[j][0]):
+        off, n = int(ranges[j][0]), int(ranges[j][1])
+        fi, fo = divmod(off, file_bytes)
+        if fo + n > file_bytes:
+            raise ValueError(f"range {off}+{n} crosses the end of pool file {fi}")
+        a0, a1 = align_down(fo), align_up(fo + n)
+        if a1 - a0 > slot_bytes:
+            raise ValueError(f"a {n}-byte chunk needs more than one {slot_bytes}-byte staging slot")
+        spans.append((j, fi, fo, a0, a1))
+    return spans
+
+
+def _piece_caps(spans: list, slot_bytes: int, edge_bytes: int) -> tuple[int, int]:
     """``(first, rest)`` piece caps in bytes: the first piece at most ``edge_bytes`` and the middle
     ones of equal size (<= a slot) so that what is left for the last one is about ``edge_bytes``;
     ``(slot_bytes, slot_bytes)`` when ``edge_bytes`` is 0 or the request is small."""
-    total, end = 0, (-1, 0)  # bytes after alignment and merging; (file, end offset) of the last run
-    for j in order:
-        fi, fo = divmod(int(ranges[j][0]), file_bytes)
-        a0, a1 = align_down(fo), align_up(fo + int(ranges[j][1]))
+    total, end = 0, (-1, 0)  # bytes after merging; (file, end offset) of the last run
+    for _j, fi, _fo, a0, a1 in spans:
         if end[0] == fi and a0 <= end[1]:  # merges with the last run: only what extends it
             total, end = total + max(0, a1 - end[1]), (fi, max(a1, end[1]))
         else:
@@ -101,18 +115,11 @@ def plan_pieces(ranges: Sequence[Sequence[int]], file_bytes: int, slot_bytes: in
     Raises:
         ValueError: a range crosses a file end, or needs more than one slot.
     """
-    order = sorted(range(len(ranges)), key=lambda j: ranges[j][0])
-    cap, rest = _piece_caps(ranges, order, file_bytes, slot_bytes, edge_bytes)
+    spans = _spans(ranges, file_bytes, slot_bytes)
+    cap, rest = _piece_caps(spans, slot_bytes, edge_bytes)
     pieces: list[Piece] = []
     cur = Piece()
-    for j in order:
-        off, n = int(ranges[j][0]), int(ranges[j][1])
-        fi, fo = divmod(off, file_bytes)
-        if fo + n > file_bytes:
-            raise ValueError(f"range {off}+{n} crosses the end of pool file {fi}")
-        a0, a1 = align_down(fo), align_up(fo + n)
-        if a1 - a0 > slot_bytes:
-            raise ValueError(f"a {n}-byte chunk needs more than one {slot_bytes}-byte staging slot")
+    for j, fi, fo, a0, a1 in spans:
         last = cur.runs[-1] if cur.runs else None
         if last and last[0] == fi and last[1] <= a0 <= last[1] + last[2]:  # extends the last run
             grow = max(0, a1 - (last[1] + last[2]))
