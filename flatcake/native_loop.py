@@ -110,8 +110,13 @@ def chunk_starts(host: np.ndarray, starts, chunk_bytes: int) -> np.ndarray:
         starts: byte offsets of chunks of ``chunk_bytes`` bytes.
 
     Raises:
-        ValueError: a chunk outside ``host`` (checked before any byte is read).
+        ValueError: ``host`` not a 1-D uint8 array, ``chunk_bytes`` not positive, or a chunk
+        outside ``host`` (checked before any byte is read).
     """
+    if not isinstance(host, np.ndarray) or host.dtype != np.uint8 or host.ndim != 1:
+        raise ValueError("chunk buffer must be a 1-D uint8 numpy array")
+    if int(chunk_bytes) <= 0:
+        raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
     st = np.ascontiguousarray(starts, dtype=np.int64).reshape(-1)
     if st.shape[0] and (int(st.min()) < 0 or int(st.max()) + chunk_bytes > host.shape[0]):
         raise ValueError(f"chunk offsets outside the {host.shape[0]}-byte buffer")

@@ -105,7 +105,8 @@ def xxh3_at(host: np.ndarray, starts, chunk_bytes: int) -> np.ndarray:
         uint64 ``[len(starts)]``.
 
     Raises:
-        ValueError: an offset outside ``host`` (checked before any byte is read).
+        ValueError: ``host`` not 1-D uint8, ``chunk_bytes`` not positive, or an offset outside
+        ``host`` (checked before any byte is read).
     """
     st = chunk_starts(host, starts, chunk_bytes)
     n = st.shape[0]
@@ -139,11 +140,14 @@ def xxh3_copy(host: np.ndarray, starts, chunk_bytes: int, want: np.ndarray, dst:
         int8 ``[k]``: 1 copied, -1 mismatch (``dst`` untouched there).
 
     Raises:
-        ValueError: an offset outside ``host`` or ``dst``, or ``want`` / ``dst_at`` not ``[k]``
+        ValueError: ``host`` or ``dst`` not 1-D uint8, ``dst`` read-only, ``chunk_bytes`` not
+        positive, an offset outside ``host`` or ``dst``, or ``want`` / ``dst_at`` not ``[k]``
         (checked before any byte is read or written).
     """
     st = chunk_starts(host, starts, chunk_bytes)
     at = chunk_starts(dst, dst_at, chunk_bytes)
+    if not dst.flags.writeable:
+        raise ValueError("xxh3_copy: the destination is read-only")
     want = np.ascontiguousarray(want, dtype=np.uint64).reshape(-1)
     if at.shape != st.shape or want.shape != st.shape:
         raise ValueError(f"{st.shape[0]} chunks but {at.shape[0]} destinations and {want.shape[0]} checksums")

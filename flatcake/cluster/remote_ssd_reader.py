@@ -61,11 +61,11 @@ def copy_verified(land: np.ndarray, starts: np.ndarray, rows_at: np.ndarray, wan
 
     One GIL-free C call hashes each chunk and, where it matches, copies it while it is still in
     cache (:func:`flatcake.cio.xxh3_bulk.xxh3_copy`, the same bits as
-    ``xxhash.xxh3_64_intdigest``). Raises ValueError for an offset outside ``land`` or ``rows``,
-    or ``rows`` not contiguous (a caller's bug).
+    ``xxhash.xxh3_64_intdigest``). Raises ValueError for an offset outside ``land``, or ``rows``
+    not a contiguous 2-D uint8 array, and IndexError for a row outside ``rows`` (a caller's bug).
     """
-    if not rows.flags.c_contiguous:
-        raise ValueError("copy_verified: rows must be C-contiguous")
+    if rows.ndim != 2 or not rows.flags.c_contiguous:
+        raise ValueError("copy_verified: rows must be C-contiguous [rows, chunk_bytes]")
     cb = rows.shape[1]
     rows_at = np.asarray(rows_at, dtype=np.int64)
     state[rows_at] = xxh3_copy(land, starts, cb, want[rows_at], rows.reshape(-1), rows_at * cb)

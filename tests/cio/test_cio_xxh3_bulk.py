@@ -72,3 +72,25 @@ def test_xxh3_copy_copies_exactly_the_matching_chunks(buf, monkeypatch, native):
         xxh3_bulk.xxh3_copy(buf, starts, cb, want, dst, at + cb)  # last destination past the end
     with pytest.raises(ValueError):
         xxh3_bulk.xxh3_copy(buf, starts, cb, want[:-1], dst, at)
+
+
+def test_bad_buffers_and_sizes_are_refused_before_any_byte_moves(buf):
+    # a negative or zero chunk size, a read-only or non-uint8 destination, a 2-D buffer:
+    # ValueError on both paths, never a crash of the C loop
+    dst = np.zeros(4096, dtype=np.uint8)
+    want = np.zeros(1, dtype=np.uint64)
+    for cb in (-1, 0):
+        with pytest.raises(ValueError, match="chunk_bytes"):
+            xxh3_bulk.xxh3_at(buf, [10], cb)
+        with pytest.raises(ValueError, match="chunk_bytes"):
+            xxh3_bulk.xxh3_copy(buf, [10], cb, want, dst, [0])
+    ro = np.frombuffer(bytes(4096), dtype=np.uint8)
+    with pytest.raises(ValueError, match="read-only"):
+        xxh3_bulk.xxh3_copy(buf, [0], 64, want, ro, [0])
+    with pytest.raises(ValueError, match="uint8"):
+        xxh3_bulk.xxh3_copy(buf, [0], 64, want, np.zeros(2048, dtype=np.uint16), [0])
+    with pytest.raises(ValueError, match="uint8"):
+        xxh3_bulk.xxh3_at(buf.view(np.uint32), [0], 64)
+    with pytest.raises(ValueError, match="uint8"):
+        xxh3_bulk.xxh3_at(buf.reshape(1024, 1024), [0], 64)
+    assert not ro.any() and not dst.any()
