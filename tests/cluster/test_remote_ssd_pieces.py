@@ -4,7 +4,6 @@ piece, equal middle ones) and the reader's bulk check-and-copy of a pulled piece
 from __future__ import annotations
 
 import numpy as np
-import pytest
 import xxhash
 
 from flatcake.cluster.remote_ssd import plan_pieces
@@ -65,12 +64,3 @@ def test_copy_verified_copies_matching_chunks_and_marks_mismatches():
     copy_verified(land, starts[perm], rows_at[perm], want, state2, rows2)
     assert (state2 == state).all() and (rows2 == rows).all()
 
-
-def test_plan_pieces_refuses_a_range_across_a_file_end_or_larger_than_a_slot():
-    with pytest.raises(ValueError, match="crosses the end of pool file 0"):
-        plan_pieces([(FILE - 4096, 8192)], FILE, 16 * MIB)
-    with pytest.raises(ValueError, match="more than one"):
-        plan_pieces([(0, 4096), (8192, 16 * MIB + 1)], FILE, 16 * MIB)
-    # a range in the second file: its run is in file 1, at its in-file offset
-    (piece,) = plan_pieces([(FILE + 5000, 100)], FILE, 16 * MIB)
-    assert piece.runs == [(1, 4096, 4096, 0)] and piece.chunks == [(0, 904)] and piece.used == 4096

@@ -55,6 +55,9 @@ def test_plan_refuses_a_range_over_a_file_end_or_larger_than_a_slot():
     with pytest.raises(ValueError, match="more than one"):
         plan_pieces([(0, 65537)], FILE, 65536)
     assert plan_pieces([], FILE, 65536) == []
+    # a range in the second file: its run is in file 1, at its 4 KiB-aligned in-file offset
+    (piece,) = plan_pieces([(FILE + 5000, 100)], FILE, 65536)
+    assert piece.runs == [(1, 4096, 4096, 0)] and piece.chunks == [(0, 904)] and piece.used == 4096
 
 
 def test_checksums_of_page_major_pages_and_their_check():
