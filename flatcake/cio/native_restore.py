@@ -235,7 +235,7 @@ class NativeRestore:
         dest = dest_args(layout) if fn is not None else None
         if dest is None or chunks.nbytes != eng.chunk_bytes or eng.cfg.gap_bytes < 0 or eng.max_io_bytes < ALIGN:
             return None  # (the Python plan raises where these are errors)
-        rep = self.zero_copy.restore(chunks, layout, dest.table, dest)
+        rep = self.zero_copy.restore(chunks, layout, dest)
         if rep is not None:
             return rep
         t_wait = time.perf_counter()

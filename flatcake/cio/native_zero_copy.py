@@ -138,22 +138,20 @@ class ZeroCopy:
             pass
         return ok
 
-    def restore(self, chunks: ChunkBatch, layout, table, dest=None) -> Optional[object]:
+    def restore(self, chunks: ChunkBatch, layout, dest) -> Optional[object]:
         """One restore read straight into the slots; returns a
         :class:`~flatcake.cio.restore.RestoreReport`, or ``None`` when the staging path must
         run the call instead (off, not eligible; nothing delivered it would not deliver again).
-        ``dest``: the layout's :class:`~flatcake.cio.native_restore.DestArgs` (built here when
-        ``None``)."""
+        ``dest``: the layout's :class:`~flatcake.cio.native_restore.DestArgs`."""
         nat, fn = self.native, LOOP.fn()
         eng, posix = nat.engine, nat.posix
         align = posix.dio_align
         if fn is None or self.refused or not len(chunks) or not self.eligible_cached(
-                layout, align, lambda: eligible(table, layout.geometry, eng.chunk_bytes, align)):
+                layout, align, lambda: eligible(dest.table, layout.geometry, eng.chunk_bytes, align)):
             return None
-        from flatcake.cio.native_restore import DestArgs, distinct_pages
+        from flatcake.cio.native_restore import distinct_pages
         from flatcake.cio.restore import RestoreReport
 
-        dest = DestArgs(layout, table) if dest is None else dest
         t_wait = time.perf_counter()
         win = eng.staging.acquire()  # (not used: it bounds the restores in flight, cio.windows)
         t0 = time.perf_counter()
