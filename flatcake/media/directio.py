@@ -140,8 +140,9 @@ def aligned_host_buffer(nbytes: int, huge: bool = False) -> tuple[torch.Tensor, 
     declines, or ``FLATCAKE_HUGEPAGES=0``, ordinary pages) and fault the buffer in now: each
     O_DIRECT read into it then pins a few 2 MiB folios instead of one 4 KiB page per 4 KiB
     (about a quarter less CPU per GB restored here; docs/performance.md, "Huge pages for
-    staging"). For buffers made once and kept (the staging windows): the first fault of a huge
-    page may compact memory, a cost a buffer made per call would pay each time.
+    staging"). For buffers made once and kept (FC-CIO's staging windows, the cluster's registered
+    buffers): the first fault of a huge page may compact memory, a cost a buffer made per call
+    would pay each time.
 
     Returns:
         ``(tensor, array, mapping)``: a uint8 CPU tensor ``[nbytes]`` and a uint8 numpy array
