@@ -348,22 +348,17 @@ class FlatCakeSystem(L3System):
         super().__init__(profile, pool, backend)
         self._stats = getattr(self.inner, "flatcake_stats", None)
 
-    #: FlatCake's own counters kept beside :data:`COUNTER_KEYS`: pages served from the write
-    #: queue's in-memory copy of rounds not yet on SSD (counted as L3 DRAM hits, not SSD ones)
-    EXTRA_KEYS = ("queued_hit_pages",)
-
     def _snap(self) -> dict[str, int]:
         if self._stats is None:
-            return dict.fromkeys(COUNTER_KEYS + self.EXTRA_KEYS, 0)
+            return dict.fromkeys(COUNTER_KEYS, 0)
         s = self._stats()
-        return {k: int(s.get(k, 0)) for k in COUNTER_KEYS + self.EXTRA_KEYS}
+        return {k: int(s.get(k, 0)) for k in COUNTER_KEYS}
 
     def get(self, keys, host_indices, prefix_keys):
         before = self._snap()
         count = self.get_v1(keys, host_indices, prefix_keys)
         after = self._snap()
-        memory = sum(after[k] - before[k] for k in ("hit_pages_dram", "queued_hit_pages"))
-        dram = min(count, memory)
+        dram = min(count, after["hit_pages_dram"] - before["hit_pages_dram"])
         return count, dram, count - dram
 
     def set(self, keys, host_indices, prefix_keys):

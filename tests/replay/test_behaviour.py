@@ -97,17 +97,3 @@ def test_a_multi_turn_session_whose_hit_rate_rises_keeps_its_ttft(tmp_path, tiny
     assert all(o.verify_failures == 0 and o.computed_pages == 4 for o in outs[1:])
     later = [o.ttft_s for o in outs[1:]]
     assert max(later) < 1.5 * min(later)  # 256 new tokens' prefill each turn; the restore is small beside it
-
-
-def test_flatcake_pages_served_from_the_write_queue_count_as_memory_hits_not_ssd(tmp_path, tiny_profile, monkeypatch):
-    # a page still in the write queue is copied from its in-memory round: an L3 DRAM hit, never
-    # an SSD one (else SSD read amplification would drop below 1)
-    sysm = make_system("flatcake", tiny_profile, 256, tmp_path / "fc", FC)
-    try:
-        snaps = iter([{"hit_pages_dram": 10, "queued_hit_pages": 2, "hit_pages_ssd": 7},
-                      {"hit_pages_dram": 11, "queued_hit_pages": 5, "hit_pages_ssd": 8}])
-        monkeypatch.setattr(sysm, "_stats", lambda: next(snaps))
-        monkeypatch.setattr(sysm, "get_v1", lambda keys, idx, prefix: 5)
-        assert sysm.get(["k"] * 5, None, []) == (5, 4, 1)
-    finally:
-        sysm.close()
