@@ -6,7 +6,9 @@ Definitions (per system, over the replayed requests):
   pages in engine memory before prefill started count (a page the hit query reported but that was
   not read in time is a miss).
 * ``hit_tokens`` = delivered pages × ``page_size``, by medium (``hbm``, L3 ``dram``, L3 ``ssd``).
-* ``read_amplification`` = SSD bytes read / bytes of pages delivered from SSD.
+* ``read_amplification`` = SSD bytes read / logical bytes of the pages read from SSD (the
+  system's ``logical_read_bytes_ssd``; FlatCake's leaves out SSD pages it served from its write
+  queue's in-memory copy, which ``hit_tokens.ssd`` counts by placement).
 * ``write_amplification`` = bytes written to the media (SSD + L3 DRAM) / logical page bytes stored.
 * ``ssd_read_gbps`` = SSD bytes read / seconds spent inside the read calls (GB = 1e9 bytes).
 * ``ttft_s``: measured storage time of the hit query and read calls + modelled host→HBM load +
@@ -24,6 +26,19 @@ from flatcake.replay.engine import RequestOutcome
 
 def _ratio(a: float, b: float) -> float | None:
     return float(a) / float(b) if b else None
+
+
+def ssd_read_amplification(counters: Mapping[str, int], ssd_page_bytes: int) -> float | None:
+    """SSD bytes read / logical bytes of the pages read from SSD (None when nothing was).
+
+    Args:
+        counters: the system's cumulative counters: ``ssd_read_bytes`` and, where the system
+            keeps it, ``logical_read_bytes_ssd`` (bytes of the pages it read from SSD).
+        ssd_page_bytes: bytes of the pages delivered from SSD by placement (``hit_tokens.ssd``
+            in pages × page bytes): the denominator where the counter is absent or 0.
+    """
+    logical = int(counters.get("logical_read_bytes_ssd", 0)) or ssd_page_bytes
+    return _ratio(int(counters.get("ssd_read_bytes", 0)), logical)
 
 
 def system_summary(outcomes: Sequence[RequestOutcome], counters: Mapping[str, int], page_size: int,
@@ -73,7 +88,7 @@ def system_summary(outcomes: Sequence[RequestOutcome], counters: Mapping[str, in
         "ssd_write_ops": int(counters.get("ssd_write_ops", 0)),
         "dram_write_bytes": int(counters.get("dram_write_bytes", 0)),
         "logical_write_bytes": int(counters.get("logical_write_bytes", 0)),
-        "read_amplification": _ratio(ssd_read, ssd * page_bytes),
+        "read_amplification": ssd_read_amplification(counters, ssd * page_bytes),
         "write_amplification": _ratio(media_written, counters.get("logical_write_bytes", 0)),
         "merged_reads": int(counters.get("merged_reads", 0)),
         "verify_failures": int(sum(o.verify_failures for o in outcomes)),

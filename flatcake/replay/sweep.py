@@ -23,7 +23,7 @@ from flatcake.replay.serving import ServingConfig, serve
 from flatcake.replay.budget import check_disk_budget
 from flatcake.replay.systems import FIXED_SCHEDULER, STORAGE_DIRS, make_system
 from flatcake.replay.figures import FIGURES, plot_sweep
-from flatcake.replay.report import scale_note
+from flatcake.replay.report import scale_note, ssd_read_amplification
 from flatcake.replay.traces import ideal_hit_rate, load_trace
 
 SCHEDULERS = ("fcfs", "mas")
@@ -127,9 +127,10 @@ def sweep_points(runs: Sequence[dict], multi_scheduler: bool) -> list[dict[str, 
 
 
 def read_amplification(run: dict, page_size: int, page_bytes: int) -> Optional[float]:
-    """SSD bytes read / bytes of the pages delivered from SSD (None without SSD hits)."""
+    """SSD bytes read / logical bytes of the pages read from SSD (None without SSD hits;
+    :func:`~flatcake.replay.report.ssd_read_amplification`)."""
     ssd_bytes = run["hit_tokens"]["ssd"] // page_size * page_bytes
-    return run["counters"].get("ssd_read_bytes", 0) / ssd_bytes if ssd_bytes else None
+    return ssd_read_amplification(run["counters"], ssd_bytes) if ssd_bytes else None
 
 
 def serving_markdown(result: dict[str, Any], figures: Sequence[str] = ()) -> str:

@@ -152,6 +152,11 @@ def test_cli_qps_sweep_writes_one_row_per_rate_scheduler_and_system(tmp_path, mo
     run = {"hit_tokens": {"ssd": 10 * 64}, "counters": {"ssd_read_bytes": 12 * PAGE_BYTES}}
     assert read_amplification(run, 64, PAGE_BYTES) == 1.2
     assert read_amplification({"hit_tokens": {"ssd": 0}, "counters": {}}, 64, PAGE_BYTES) is None
+    # FlatCake served 2 of the 10 SSD pages from its write queue's in-memory copy: they count
+    # as SSD hits by placement, but the denominator is the bytes it read from SSD
+    run = {"hit_tokens": {"ssd": 10 * 64}, "counters": {"ssd_read_bytes": 12 * PAGE_BYTES,
+                                                         "logical_read_bytes_ssd": 8 * PAGE_BYTES}}
+    assert read_amplification(run, 64, PAGE_BYTES) == 1.5
     assert not (out / "flatcake-ssd").exists() and not (out / "hicache-file").exists()
 
 
