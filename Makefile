@@ -12,7 +12,7 @@ TORCH_PIP_ARGS ?=
 STAMP := $(VENV)/.flatcake-installed
 SOAK_SECONDS ?= 30
 
-.PHONY: venv demo test soak bench bench-sweep bench-write bench-gil results results-quick clean
+.PHONY: venv demo test e2e soak bench bench-sweep bench-write bench-gil results results-quick clean
 
 venv: $(STAMP)
 
@@ -30,6 +30,8 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q --no-deps -e .
 	# the sglang-controller extra (SGLang's controller imports), again without dependency trees
 	$(PIP) install -q --no-deps $$($(VPY) -c 'import tomllib; print(" ".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["sglang-controller"]))')
+	# the server extra: what a real SGLang server on the CPU imports (tests/e2e/, docs/real-server.md)
+	$(PIP) install -q --no-deps $$($(VPY) -c 'import tomllib; print(" ".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["server"]))')
 	# the replay's `mooncake` system: the Mooncake Store's CPU wheel, and libibverbs1 which it loads
 	$(PIP) install -q --no-deps $$($(VPY) -c 'import tomllib; print(" ".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["mooncake"]))')
 	./scripts/setup_ibverbs.sh
@@ -42,6 +44,10 @@ demo: venv
 
 test: venv
 	TRITON_INTERPRET=1 $(VPY) -m pytest -q tests
+
+# every real-server scenario (tests/e2e/, docs/real-server.md); `make test` runs the quick ones
+e2e: venv
+	FLATCAKE_E2E=all TRITON_INTERPRET=1 $(VPY) -m pytest -q tests/e2e
 
 results: venv
 	$(VPY) scripts/results.py

@@ -70,6 +70,10 @@ _COUNTERS = {
                                     [("write_backlog_dropped_pages", ())], ()),
     "deferred_write_failures": ("Queued SSD rounds whose write failed after the put returned.",
                                 [("deferred_write_failures", ())], ()),
+    "mas_prefetches": ("Prefetches the FC-MAS plugin's lanes ran, per lane (dram: DRAM-ready, ssd: restores).",
+                       [("mas_prefetches_dram", ("dram",)), ("mas_prefetches_ssd", ("ssd",))], ("lane",)),
+    "mas_overtakes": ("Prefetches the FC-MAS lanes completed ahead of one submitted earlier and still unfinished.",
+                      [("mas_overtakes", ())], ()),
 }
 
 # gauge name -> (help, extra label names)
@@ -148,8 +152,13 @@ class FlatCakeMetrics:
                 self.labels = tuple(str(labels.get(k, "")) for k in BASE_LABELS)
 
     def update(self, snap: dict) -> None:
-        """Bring every metric to ``snap`` (:meth:`PageStore.snapshot_stats`). Never raises
-        for a missing key (that metric is left as it was)."""
+        """Bring every metric to ``snap`` (:meth:`PageStore.snapshot_stats`, or the adapter's
+        ``flatcake_stats()`` with its ``mas_lanes``). Never raises for a missing key (that metric
+        is left as it was)."""
+        lanes = snap.get("mas_lanes")
+        if lanes:
+            snap = dict(snap, mas_prefetches_dram=lanes.get("dram", 0), mas_prefetches_ssd=lanes.get("ssd", 0),
+                        mas_overtakes=lanes.get("overtakes", 0))
         with self._lock:
             for name, (_, series, _) in _COUNTERS.items():
                 for key, extra in series:

@@ -162,6 +162,7 @@ class PrefetchLanes:
         self.ack = ack or _sglang_final_ack
         store = getattr(backend, "store", None)  # queued SSD restores hold its write queue's writes
         self.lanes = MediumAwareLanes(ssd_restores, pending_reads=getattr(store, "reads_pending", None))
+        backend.prefetch_lanes = self.lanes  # its stats reach flatcake_stats() and the flatcake_mas_* metrics
         self._held: dict[int, Any] = {}  # id -> operation queued or running on the lanes
         self._held_lock = threading.Lock()
 

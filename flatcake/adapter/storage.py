@@ -103,6 +103,8 @@ class FlatCakeStorage(HybridPoolsMixin, HiCacheStorage):
         self.identity: Optional[PoolIdentity] = None
         self.store: Optional[PageStore] = None
         self.cluster = None  # ClusterMember when cluster.etcd is set (flatcake.adapter.cluster_hook)
+        #: the FC-MAS plugin's restore lanes driving this backend's prefetches (flatcake.adapter.plugin)
+        self.prefetch_lanes = None
         self.layout: Optional[KvPageLayout] = None
         self.mem_pool_host = None
         self.is_writer = storage_config.is_storage_writer if storage_config else True
@@ -377,10 +379,15 @@ class FlatCakeStorage(HybridPoolsMixin, HiCacheStorage):
 
     def flatcake_stats(self) -> dict:
         """FlatCake's cumulative counters (see :class:`flatcake.store.StoreStats`); with a
-        cluster also ``cluster`` (:meth:`flatcake.cluster.member.ClusterMember.stats`)."""
+        cluster also ``cluster`` (:meth:`flatcake.cluster.member.ClusterMember.stats`); while the
+        FC-MAS plugin drives the prefetches also ``mas_lanes``
+        (:meth:`flatcake.mas.lanes.Lanes.stats`: prefetches per lane, overtakes)."""
         d = self.store.snapshot_stats() if self.store is not None else {}
         if self.cluster is not None:
             d["cluster"] = self.cluster.stats()
+        lanes = self.prefetch_lanes
+        if lanes is not None:
+            d["mas_lanes"] = lanes.stats()
         return d
 
     def _metrics_on(self) -> bool:
@@ -441,7 +448,7 @@ class FlatCakeStorage(HybridPoolsMixin, HiCacheStorage):
                     self._exporter_tried = True
                     self._exporter = make_exporter(self._metric_labels(), self.prometheus_registry)
             if self._exporter is not None:
-                self._exporter.update(self.store.snapshot_stats())
+                self._exporter.update(self.flatcake_stats())
         except Exception as e:
             self.errors("metrics", e)
 

@@ -71,6 +71,7 @@ class LaneOp:
     finished_s: float = 0.0
     lane: str = ""
     _done: threading.Event = field(default_factory=threading.Event, repr=False)
+    _seq: int = field(default=-1, repr=False)
 
     @property
     def needs_ssd(self) -> bool:
@@ -94,6 +95,35 @@ class Lanes:
     def __init__(self, pending_reads: Optional[Callable[[int], None]] = None):
         self.errors = ErrorLog(log)  # each (what, exception kind) logged once, all counted
         self.pending_reads = pending_reads
+        self._order_lock = threading.Lock()
+        self._seq = 0
+        self._unannounced: dict[int, None] = {}  # submission numbers not yet announced (insertion ordered)
+        self._counts = {"dram": 0, "ssd": 0, "fifo": 0, "overtakes": 0, "overtaken": 0}
+
+    def _note_submit(self, op: LaneOp) -> None:
+        """Give ``op`` its submission number and count it on its lane."""
+        with self._order_lock:
+            op._seq = self._seq
+            self._seq += 1
+            self._unannounced[op._seq] = None
+            self._counts[op.lane] += 1
+
+    def _note_announce(self, op: LaneOp) -> None:
+        """Count an announcement that passes operations submitted before ``op`` and not yet
+        announced (what FC-MAS reorders; FIFO never does)."""
+        with self._order_lock:
+            self._unannounced.pop(op._seq, None)
+            passed = sum(1 for seq in self._unannounced if seq < op._seq)
+            if passed:
+                self._counts["overtakes"] += 1
+                self._counts["overtaken"] += passed
+
+    def stats(self) -> dict:
+        """What the lanes did so far: operations per lane (``dram``, ``ssd``; ``fifo`` for
+        :class:`FifoLanes`), ``overtakes`` (announcements that passed an operation submitted
+        earlier and still unannounced) and ``overtaken`` (how many they passed in all)."""
+        with self._order_lock:
+            return {"lanes": self.name, **self._counts}
 
     def _mark_pending(self, op: LaneOp, delta: int) -> None:
         """``pending_reads(delta)`` for an operation that needs SSD (an exception is logged once)."""
@@ -125,6 +155,7 @@ class Lanes:
 
     def _complete(self, op: LaneOp) -> None:
         """Announce ``op`` (``on_done``); an exception there is logged once, never ends a lane."""
+        self._note_announce(op)
         try:
             if op.on_done is not None:
                 op.on_done(op)
@@ -147,6 +178,7 @@ class FifoLanes(Lanes):
 
     def submit(self, op: LaneOp) -> None:
         op.lane, op.submitted_s = "fifo", time.monotonic()
+        self._note_submit(op)
         self._mark_pending(op, +1)
         self._q.put(op)
 
@@ -196,6 +228,7 @@ class MediumAwareLanes(Lanes):
         max_gva = SSD_BOUNDARY if op.needs_ssd else 0
         with self._cv:  # the scheduler first: if it refuses the operation, nothing is left half-queued
             self.scheduler.submit(MasRequest(op.request_id, op.arrival_s, max_gva, max(1, op.ssd_bytes)))
+            self._note_submit(op)
             self._ops[op.request_id] = op
             self._pending += 1
             self._mark_pending(op, +1)  # before a lane thread can run it (and end the mark)
