@@ -41,6 +41,8 @@ def test_a_burst_of_dram_hits_is_served_while_one_huge_restore_runs():
     release.set()
     assert big.wait(5)
     lanes.close()
+    # every DRAM hit passed the one restore submitted before it; the restore passed nothing
+    assert lanes.stats() == {"lanes": "mas", "dram": 20, "ssd": 1, "fifo": 0, "overtakes": 20, "overtaken": 20}
 
 
 def test_fifo_ablation_makes_the_dram_hits_wait_for_the_restore():
@@ -57,6 +59,7 @@ def test_fifo_ablation_makes_the_dram_hits_wait_for_the_restore():
     assert all(o.wait(5) for o in small)
     assert [e[1] for e in log if e[0] == "done"] == ["huge", "d0", "d1", "d2"]
     lanes.close()
+    assert lanes.stats() == {"lanes": "fcfs", "dram": 0, "ssd": 0, "fifo": 4, "overtakes": 0, "overtaken": 0}
 
 
 def test_a_huge_restore_keeps_being_served_while_dram_hits_keep_arriving():
