@@ -26,7 +26,9 @@ accounting and the scheduler's admission are SGLang's, unchanged: the consumer
 The hook falls through to SGLang's own loop (nothing changes) when:
 
 * ``FLATCAKE_PLUGIN`` is ``0``/``off``/``false``/``no`` (``flatcake-sglang --no-flatcake-plugin``);
-* the controller's storage backend is not FlatCake (another backend, or storage detached);
+* the controller's storage backend is not FlatCake (another backend, or storage detached; a
+  FlatCake wrapped by SGLang's test fault injector, ``SGLANG_TEST_HICACHE_BACKEND_RANDOM_*``, is
+  FlatCake: its lanes run, and the injector still delays or fails each call it wraps);
 * the backend's ``mas.scheduler`` is ``fcfs`` (the FC-MAS ablation);
 * the controller reduces acks over more than one rank (its sync groups: attention-TP — the TP
   group without DP attention —, attention-CP and PP, each when larger than 1; with DP attention
@@ -104,11 +106,28 @@ def register() -> None:
 
 
 def flatcake_backend(controller: Any):
-    """The controller's storage backend if it is a :class:`FlatCakeStorage`, else None."""
+    """The controller's storage backend if it is a :class:`FlatCakeStorage`, else None. A
+    FlatCake behind SGLang's test fault injector counts (``HiCacheStorageFailureInjector``, which
+    ``StorageBackendFactory.create_backend`` wraps around any backend when
+    ``SGLANG_TEST_HICACHE_BACKEND_RANDOM_FAILURE`` / ``_DELAY`` are set,
+    ``mem_cache/hicache_storage.py`` 514-537): the lanes then run the controller's own
+    ``_page_transfer``, whose ``batch_get_v1`` calls still go through the injector."""
     from flatcake.adapter.storage import FlatCakeStorage
 
-    backend = getattr(controller, "storage_backend", None)
+    backend = unwrap_fault_injector(getattr(controller, "storage_backend", None))
     return backend if isinstance(backend, FlatCakeStorage) else None
+
+
+def unwrap_fault_injector(backend: Any) -> Any:
+    """The backend inside SGLang's ``HiCacheStorageFailureInjector`` (its ``_backend``), or
+    ``backend`` itself when it is not one."""
+    try:
+        from sglang.srt.mem_cache.hicache_storage import HiCacheStorageFailureInjector
+    except ImportError:  # an SGLang without the injector
+        return backend
+    if isinstance(backend, HiCacheStorageFailureInjector):
+        return getattr(backend, "_backend", None)
+    return backend
 
 
 def ack_ranks(controller: Any) -> int:
@@ -237,4 +256,4 @@ def _sglang_final_ack(operation: Any) -> Any:
 
 
 __all__ = ["ENV_SWITCH", "HOOK_TARGET", "PrefetchLanes", "ack_ranks", "flatcake_backend", "forget_said",
-           "plugin_enabled", "prefetch_io_around", "register"]
+           "plugin_enabled", "prefetch_io_around", "register", "unwrap_fault_injector"]

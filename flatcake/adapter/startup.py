@@ -121,12 +121,18 @@ def sglang_passes_prefix_keys() -> Optional[bool]:
     """Whether this SGLang process runs with ``hicache_storage_pass_prefix_keys: true``: read
     from its server arguments (``sglang.srt.runtime_context.get_memory()``, the record SGLang's
     radix cache reads the flag from; SGLang removes the key from the extra config before the
-    backend sees it). None when unknown: not inside an SGLang server, or an extra config that
-    cannot be read here."""
+    backend sees it). None when unknown: not inside an SGLang server, an extra config that
+    cannot be read here, or a runtime attach (``PUT /hicache/storage-backend`` on a server started
+    without L3, or after a detach): SGLang records the attach's backend and extra config only
+    after the backend is built (``managers/scheduler.py`` 5440-5465), so the record still says no
+    backend while FlatCake starts."""
     try:
         from sglang.srt.runtime_context import get_memory
 
-        raw = get_memory().hicache_storage_backend_extra_config
+        memory = get_memory()
+        if memory.hicache_storage_backend is None:  # runtime attach: the record is not updated yet
+            return None
+        raw = memory.hicache_storage_backend_extra_config
     except Exception:  # noqa: BLE001 - no SGLang server in this process
         return None
     if not raw:

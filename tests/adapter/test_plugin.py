@@ -138,3 +138,42 @@ def test_an_operation_the_lanes_cannot_queue_runs_in_place_and_is_acked(make_bac
     assert seen == [("progress", "odd", 2 * pool.page_size), ("done", "odd", None)]
     assert page_matches(pool, 10 * pool.page_size, "k0") and page_matches(pool, 11 * pool.page_size, "k1")
     assert "running it in place, FIFO" in caplog.text
+
+
+def test_lanes_drive_a_flatcake_behind_sglangs_fault_injector_and_ack_its_failed_reads(make_backend, caplog, monkeypatch):
+    """SGLANG_TEST_HICACHE_BACKEND_RANDOM_FAILURE / _DELAY wrap the backend in SGLang's
+    ``HiCacheStorageFailureInjector``: the plugin still finds FlatCake behind it and runs its lanes;
+    the reads go through the injector (failure probability 1 here: nothing delivered) and every
+    operation is still acked, the thread alive."""
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageFailureInjector
+
+    # SGLang's PrefetchAck needs the controller's imports (tests/controller/); a tuple stands in
+    monkeypatch.setattr(plugin, "_sglang_final_ack", lambda op: ("done", op.request_id, True))
+    caplog.set_level(logging.INFO, logger="flatcake.plugin")
+    plugin.forget_said()
+    be, pool = make_backend()
+    keys = ["k0", "k1", "k2"]
+    be.batch_exists(keys)
+    assert all(write_pages(be, pool, keys, range(3)))
+    injector = HiCacheStorageFailureInjector(be, 0.0, 1.0)
+    cc = ControllerDouble(injector, pool.page_size)
+    assert plugin.flatcake_backend(cc) is be
+    assert plugin.unwrap_fault_injector(be) is be
+    assert plugin.flatcake_backend(SimpleNamespace(storage_backend=HiCacheStorageFailureInjector(object(), 0.0, 0.0))) is None
+
+    worker = threading.Thread(target=plugin.prefetch_io_around, args=(lambda c: "sglang-loop", cc))
+    worker.start()
+    try:
+        for rid, slots in (("first", range(10, 13)), ("second", range(20, 23))):
+            cc.prefetch_buffer.put(op_for(rid, keys, pool, slots))
+            progress, final = cc.prefetch_sync_queue.get(timeout=30), cc.prefetch_sync_queue.get(timeout=30)
+            assert progress == ("progress", rid, 0)  # the injector failed the read
+            assert final == ("done", rid, True)
+        assert worker.is_alive()
+    finally:
+        cc.storage_stop_event.set()
+        worker.join(30)
+        plugin.forget_said()  # the tests after this one expect the once-per-process lines again
+    assert not worker.is_alive()
+    assert be.prefetch_lanes is not None and be.prefetch_lanes.stats()["dram"] + be.prefetch_lanes.stats()["ssd"] == 2
+    assert "FC-MAS lanes drive" in caplog.text and "not FlatCake" not in caplog.text

@@ -103,13 +103,29 @@ def test_default_ssd_path_is_the_user_cache_and_is_announced(make_backend, tmp_p
 def test_server_without_prefix_keys_warns_once_per_rank(extra, warned, make_backend, monkeypatch, caplog):
     import sglang.srt.runtime_context as rc
 
-    monkeypatch.setattr(rc, "get_memory", lambda: SimpleNamespace(hicache_storage_backend_extra_config=extra))
+    monkeypatch.setattr(rc, "get_memory", lambda: SimpleNamespace(hicache_storage_backend="dynamic",
+                                                                  hicache_storage_backend_extra_config=extra))
     caplog.set_level(logging.WARNING, logger="flatcake")
     make_backend()
     lines = [m for m in flatcake_lines(caplog) if "hicache_storage_pass_prefix_keys off" in m]
     assert len(lines) == (1 if warned else 0)
     if warned:
         assert "write-time placement cannot see sessions" in lines[0]
+
+
+def test_runtime_attach_does_not_warn_about_prefix_keys(make_backend, monkeypatch, caplog):
+    """``PUT /hicache/storage-backend`` on a server started without L3: SGLang's record still says
+    no backend and no extra config while the backend starts (it is updated after the attach,
+    ``managers/scheduler.py`` 5440-5465), whatever the attach's extra config holds."""
+    import sglang.srt.runtime_context as rc
+    from flatcake.adapter.startup import sglang_passes_prefix_keys
+
+    monkeypatch.setattr(rc, "get_memory", lambda: SimpleNamespace(hicache_storage_backend=None,
+                                                                  hicache_storage_backend_extra_config=None))
+    assert sglang_passes_prefix_keys() is None
+    caplog.set_level(logging.WARNING, logger="flatcake")
+    make_backend()
+    assert not [m for m in flatcake_lines(caplog) if "prefix_keys" in m]
 
 
 def test_outside_an_sglang_server_the_prefix_key_setting_is_unknown(make_backend, caplog):
