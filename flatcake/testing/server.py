@@ -7,7 +7,7 @@ Lifecycle::
     server.start()              # setsid subprocess on 127.0.0.1:<free port>, own PROMETHEUS_MULTIPROC_DIR
     server.wait_ready()         # GET /health_generate == 200 (30-40 s on 2 cores)
     g = server.generate(ids)    # POST /generate (input_ids, greedy) -> Generation(output_ids, storage_tokens, ...)
-    server.flush()              # POST /flush_cache (device + host tiers; L3 keeps its pages)
+    server.flush()              # POST /flush_cache?timeout= (device + host tiers; L3 keeps its pages)
     server.stop()               # SIGTERM to the main pid, then SIGKILL to the whole process group
 
 SGLang SIGKILLs its scheduler at shutdown, so a backend's ``close()`` never runs: a restarted server
@@ -152,8 +152,10 @@ class CpuServer:
             stale.unlink()
         self.port = free_port()
         env = cpu_server_env()
+        tmp = self.workdir / f"{self.name}-tmp"  # SGLang leaves its IPC socket files in $TMPDIR
+        tmp.mkdir(exist_ok=True)
         env.update({"PROMETHEUS_MULTIPROC_DIR": str(self.prom_dir), "PYTHONUNBUFFERED": "1",
-                    "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"})
+                    "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "TMPDIR": str(tmp)})
         env.update(self.spec.env)
         cmd = [sys.executable, "-m", "flatcake.testing.serve_cpu"] + self.spec.argv(self.port)
         with open(self.log_path, "ab") as log:
@@ -237,9 +239,17 @@ class CpuServer:
         body = self.post("/generate", {"input_ids": list(input_ids), "sampling_params": params}).json()
         return Generation.from_response(body)
 
-    def flush(self) -> str:
-        """``POST /flush_cache``: drop the device and host tiers (refused while requests run)."""
-        return self.post("/flush_cache").text
+    def flush(self, wait_s: float = 180.0, headers: Optional[Dict[str, str]] = None) -> str:
+        """``POST /flush_cache?timeout=wait_s``: drop the device and host tiers once SGLang's
+        scheduler is idle (SGLang defers the flush up to ``wait_s`` while a batch, a backup or a
+        prefetch is still in flight; without a timeout it refuses at once, even for the batch that
+        just answered). ``headers``: e.g. the admin bearer token of a server started with
+        ``--admin-api-key``."""
+        r = requests.post(self.url + "/flush_cache", params={"timeout": wait_s}, headers=headers,
+                          timeout=wait_s + 60)
+        if r.status_code != 200:
+            raise ServerError(f"POST /flush_cache -> {r.status_code}: {r.text[:500]}\n" + self.log_tail(30))
+        return r.text
 
     def metrics(self) -> str:
         """The ``/metrics`` page (Prometheus text format)."""

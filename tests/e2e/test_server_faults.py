@@ -29,8 +29,6 @@ from flatcake.testing.tiny_model import prompt_ids
 PAGE = 16
 #: bytes of one page of the default tiny Llama: 16 tokens x 8 KiB (2 layers x K,V x 4 heads x 128 x fp32)
 PAGE_BYTES = 16 * 8192
-#: SGLang's deferred flush: wait (server side) up to this long for in-flight backups / prefetches
-FLUSH_WAIT_S = 180
 ADMIN_KEY = "flatcake-e2e-admin"
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 
@@ -38,12 +36,6 @@ pytestmark = pytest.mark.e2e_full
 
 
 # ---------------------------------------------------------------------------------------- helpers
-def flush(server: CpuServer, headers: Dict[str, str] | None = None) -> None:
-    """``POST /flush_cache?timeout=``: SGLang flushes once no backup or prefetch is in flight."""
-    r = requests.post(f"{server.url}/flush_cache", params={"timeout": FLUSH_WAIT_S}, headers=headers,
-                      timeout=FLUSH_WAIT_S + 60)
-    assert r.status_code == 200, f"flush_cache -> {r.status_code}: {r.text}\n{server.log_tail(30)}"
-
 
 def admin(server: CpuServer, method: str, path: str, payload: dict | None = None,
           headers: Dict[str, str] | None = ADMIN) -> requests.Response:
@@ -123,7 +115,7 @@ def test_sglang_fault_injection_keeps_tokens_right_threads_alive_and_storage_ser
         with ThreadPoolExecutor(workers) as pool:
             for name, g in zip(names, pool.map(lambda n: server.generate(prompts[n]), names)):
                 answers.append((round_no, name, g))
-        flush(server)
+        server.flush()
 
     run(1, ["a", "b", "c", "d", "e"], 1)
     run(2, ["a", "b", "c", "d", "e", "a"], 4)
@@ -146,7 +138,7 @@ def test_sglang_fault_injection_keeps_tokens_right_threads_alive_and_storage_ser
         assert g.output_ids == expected["a"]
         if g.storage_tokens > 0:
             break
-        flush(server)
+        server.flush()
     assert later[-1].storage_tokens > 0, [g.meta.get("cached_tokens_details") for g in later]
     # ... and the backup thread still stores: a fresh prompt whose backup the injector did not fail
     # (SGLang logs "Write page to storage: N pages failed" for each one it did) reaches FlatCake
@@ -156,7 +148,7 @@ def test_sglang_fault_injection_keeps_tokens_right_threads_alive_and_storage_ser
         failed = server.log_text().count("Write page to storage")
         g = server.generate(fresh)
         assert g.output_ids == greedy(tiny_llama, fresh, 16)
-        flush(server)  # returns once its backup finished, stored or failed
+        server.flush()  # returns once its backup finished, stored or failed
         if server.log_text().count("Write page to storage") == failed:
             wait_metric(server, "flatcake_pages_written_total", written + stored_pages(len(fresh)))
             break
@@ -208,7 +200,7 @@ def test_runtime_attach_metrics_clear_detach_reattach(tiny_llama, tmp_path, serv
     first = server.generate(a)
     assert first.output_ids == expected["a"] and first.storage_tokens == 0
     wait_metric(server, "flatcake_pages_indexed", sa)
-    flush(server, ADMIN)
+    server.flush(headers=ADMIN)
     again = server.generate(a)
     assert again.storage_tokens == ha * PAGE, again.meta
     assert (again.device_tokens, again.host_tokens) == (0, 0)
@@ -264,7 +256,7 @@ def test_runtime_attach_metrics_clear_detach_reattach(tiny_llama, tmp_path, serv
     assert r.status_code == 200, r.text
     wait_until(server, "flatcake_pages_indexed", lambda: metric_sum(server, "flatcake_pages_indexed"), lambda v: v == 0)
     assert metric_sum(server, "flatcake_reclaimed_scopes_total") > reclaimed
-    flush(server, ADMIN)
+    server.flush(headers=ADMIN)
     cleared = server.generate(a)
     assert cleared.storage_tokens == 0, cleared.meta
     assert cleared.output_ids == expected["a"]
@@ -274,16 +266,16 @@ def test_runtime_attach_metrics_clear_detach_reattach(tiny_llama, tmp_path, serv
     wait_metric(server, "flatcake_pages_indexed", sa + sb)
 
     # ---- detach: the server goes on without L3
-    flush(server, ADMIN)
+    server.flush(headers=ADMIN)
     r = admin(server, "DELETE", "/hicache/storage-backend")
     assert r.status_code == 200, r.text + server.log_tail(30)
     assert admin(server, "GET", "/hicache/storage-backend").json()["hicache_storage_backend"] is None
-    flush(server, ADMIN)
+    server.flush(headers=ADMIN)
     detached = server.generate(b)
     assert detached.storage_tokens == 0 and detached.output_ids == expected["b"]
 
     # ---- re-attach on the same pool: the cleared pages stay gone, the others are served
-    flush(server, ADMIN)
+    server.flush(headers=ADMIN)
     r = admin(server, "PUT", "/hicache/storage-backend", attach_req)
     assert r.status_code == 200, r.text + server.log_tail(40)
     assert admin(server, "GET", "/hicache/storage-backend").json()["hicache_storage_backend"] == "dynamic"
@@ -292,7 +284,7 @@ def test_runtime_attach_metrics_clear_detach_reattach(tiny_llama, tmp_path, serv
     assert log.count(f"pool {pool_label} in {pool}") == 2  # the same pool re-opened
     # from its journal: a and b, stored after the clear; c's cleared pages are not brought back
     assert f"flatcake: rebuilt {sa + sb} pages in 2 scopes from {pool}/{pool_label}.journal" in log
-    flush(server, ADMIN)
+    server.flush(headers=ADMIN)
     got_b = server.generate(b)
     assert got_b.storage_tokens == hb * PAGE, got_b.meta
     assert got_b.output_ids == expected["b"]
