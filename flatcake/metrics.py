@@ -35,6 +35,11 @@ BASE_LABELS = ("pool", "tp_rank", "pp_rank", "dp_rank")
 REFRESH_S = 1.0
 #: the states a medium reports (``flatcake_medium_state``)
 MEDIUM_STATES = ("healthy", "degraded", "disabled")
+#: the backend methods whose SGLang calls are counted (``flatcake_sglang_*``), each with the
+#: ``what`` label of its answer (``flatcake.adapter.storage.CALL_ANSWERS``)
+SGLANG_METHODS = {"batch_exists": "present", "batch_get_v1": "delivered", "batch_set_v1": "stored",
+                  "batch_get": "delivered", "batch_set": "stored", "exists": "present", "get": "delivered",
+                  "set": "stored"}
 
 # counter name (without ``_total``) -> (help, [(snapshot key, extra label values)], extra label names)
 _COUNTERS = {
@@ -74,7 +79,16 @@ _COUNTERS = {
                        [("mas_prefetches_dram", ("dram",)), ("mas_prefetches_ssd", ("ssd",))], ("lane",)),
     "mas_overtakes": ("Prefetches the FC-MAS lanes completed ahead of one submitted earlier and still unfinished.",
                       [("mas_overtakes", ())], ()),
+    "sglang_calls": ("Calls SGLang made into the backend, per method.",
+                     [(f"sglang_calls_{m}", (m,)) for m in SGLANG_METHODS], ("method",)),
+    "sglang_call_pages": ("Pages in SGLang's calls, per method: asked (keys passed in) and the answer "
+                          "(present: batch_exists' leading run; delivered: read into the host pool; "
+                          "stored: reported stored).",
+                          [(f"sglang_pages_{m}_{w}", (m, w)) for m, a in SGLANG_METHODS.items() for w in ("asked", a)],
+                          ("method", "what")),
 }
+#: snapshot keys of the counters the adapter keeps itself (they survive a store re-open)
+_ADAPTER_KEYS = frozenset(k for name in ("sglang_calls", "sglang_call_pages") for k, _ in _COUNTERS[name][1])
 
 # gauge name -> (help, extra label names)
 _GAUGES = {
@@ -145,9 +159,10 @@ class FlatCakeMetrics:
 
     def new_store(self, labels: Optional[dict] = None) -> None:
         """The adapter opened a new store (its counters start at 0 again): count from there,
-        under ``labels`` when given (a re-registered store may have another pool)."""
+        under ``labels`` when given (a re-registered store may have another pool). The
+        adapter's own counters (SGLang's calls) go on from where they were."""
         with self._lock:
-            self._last = {}
+            self._last = {k: v for k, v in self._last.items() if k in _ADAPTER_KEYS}
             if labels is not None:
                 self.labels = tuple(str(labels.get(k, "")) for k in BASE_LABELS)
 
@@ -159,6 +174,15 @@ class FlatCakeMetrics:
         if lanes:
             snap = dict(snap, mas_prefetches_dram=lanes.get("dram", 0), mas_prefetches_ssd=lanes.get("ssd", 0),
                         mas_overtakes=lanes.get("overtakes", 0))
+        calls = snap.get("sglang_calls")
+        if calls:
+            flat = {}
+            for m, c in calls.items():
+                flat[f"sglang_calls_{m}"] = c.get("calls", 0)
+                for what, v in c.items():
+                    if what != "calls":
+                        flat[f"sglang_pages_{m}_{what}"] = v
+            snap = dict(snap, **flat)
         with self._lock:
             for name, (_, series, _) in _COUNTERS.items():
                 for key, extra in series:
@@ -212,4 +236,4 @@ def make_exporter(labels: dict, registry=None) -> Optional[FlatCakeMetrics]:
         return None
 
 
-__all__ = ["BASE_LABELS", "FlatCakeMetrics", "MEDIUM_STATES", "PREFIX", "REFRESH_S", "make_exporter"]
+__all__ = ["BASE_LABELS", "FlatCakeMetrics", "MEDIUM_STATES", "PREFIX", "REFRESH_S", "SGLANG_METHODS", "make_exporter"]

@@ -15,6 +15,9 @@ Errors as values at the boundary: bad configuration, an unusable ``ssd.path`` or
 unsupported host-pool layout raise at start-up (construction / registration, so the attach
 fails with the field named). After that no method raises into SGLang's threads: an I/O fault
 is a miss (``False`` / ``None`` / a shorter leading run) or a failed put, logged once per errno.
+
+Every call SGLang makes is counted per method (:class:`CallCounters`: calls, pages asked, pages
+answered), in ``flatcake_stats()["sglang_calls"]`` and the ``flatcake_sglang_*`` metrics.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ from flatcake.adapter.cluster_hook import start_member, stop_member
 from flatcake.adapter.cluster_walk import hit_run, read_run
 from flatcake.adapter.startup import check_file_bytes, default_path_warning, prefix_keys_warning, startup_line
 from flatcake.media.pool_dir import ensure_pool_dir
-from flatcake.metrics import REFRESH_S, make_exporter
+from flatcake.metrics import REFRESH_S, SGLANG_METHODS, make_exporter
 from flatcake.store import MediumSummary, PageStore
 
 log = logging.getLogger("flatcake")
@@ -74,6 +77,35 @@ def make_namespace(cfg: HiCacheStorageConfig, pool, layout: KvPageLayout) -> str
 
 def _prefix(extra_info: Optional[HiCacheStorageExtraInfo]) -> Optional[list]:
     return extra_info.prefix_keys if extra_info is not None else None
+
+
+#: the methods :class:`CallCounters` counts, and what each one's answer is (the ``what`` label of
+#: ``flatcake_sglang_call_pages_total`` beside ``asked``)
+CALL_ANSWERS = SGLANG_METHODS
+
+
+class CallCounters:
+    """Calls SGLang made into the backend, per method of :data:`CALL_ANSWERS`: ``calls``,
+    ``asked`` (keys / pages passed in) and the answer (``present``: the leading run
+    ``batch_exists`` reported; ``delivered``: pages read into the host pool; ``stored``: pages
+    the call reported stored, keys already held included). Three integer adds under a lock per
+    call; nothing per page."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._c = {m: [0, 0, 0] for m in CALL_ANSWERS}
+
+    def note(self, method: str, asked: int, answered: int) -> None:
+        with self._lock:
+            c = self._c[method]
+            c[0] += 1
+            c[1] += asked
+            c[2] += answered
+
+    def snapshot(self) -> dict:
+        """``{method: {"calls": n, "asked": pages, <answer>: pages}}`` for every method."""
+        with self._lock:
+            return {m: {"calls": c[0], "asked": c[1], CALL_ANSWERS[m]: c[2]} for m, c in self._c.items()}
 
 
 class FlatCakeStorage(HybridPoolsMixin, HiCacheStorage):
@@ -120,6 +152,8 @@ class FlatCakeStorage(HybridPoolsMixin, HiCacheStorage):
         self._exporter = None
         self._exporter_tried = False
         self._metrics_refreshed_at = float("-inf")
+        #: SGLang's calls into this backend, per method (``flatcake_stats()["sglang_calls"]``)
+        self.calls = CallCounters()
 
     # ------------------------------------------------------------------ registration
     def register_mem_pool_host(self, mem_pool_host) -> None:
@@ -222,13 +256,21 @@ class FlatCakeStorage(HybridPoolsMixin, HiCacheStorage):
     def exists(self, key: str) -> bool:
         """True if ``key`` is stored. Never raises."""
         try:
-            return self._ready() and self.store.exists(key)
+            ok = bool(self._ready() and self.store.exists(key))
         except Exception as e:  # pragma: no cover - defensive
             self.errors("exists", e)
-            return False
+            ok = False
+        self.calls.note("exists", 1, ok)
+        return ok
 
     def batch_exists(self, keys: List[str], extra_info: Optional[HiCacheStorageExtraInfo] = None) -> int:
         """Length of the leading run of stored keys (SGLang's hit query). Never raises."""
+        n = self._leading_run(keys, extra_info)
+        self.calls.note("batch_exists", len(keys), n)
+        return n
+
+    def _leading_run(self, keys: List[str], extra_info: Optional[HiCacheStorageExtraInfo]) -> int:
+        """:meth:`batch_exists` without counting the call (also the v2 hit query's KV run)."""
         try:
             if self.logical_anchor or not self._ready():  # a logical anchor holds no KV page
                 return 0
@@ -257,6 +299,11 @@ class FlatCakeStorage(HybridPoolsMixin, HiCacheStorage):
         """Read pages into host-pool slots ``host_indices`` (int64, ``len(keys) * page_size``
         token slots, page ``i`` at ``host_indices[i * page_size]``). Returns per-page success;
         only the leading run is True. Never raises."""
+        out = self._get_v1(keys, host_indices, extra_info)
+        self.calls.note("batch_get_v1", len(keys), sum(out))
+        return out
+
+    def _get_v1(self, keys, host_indices, extra_info) -> List[bool]:
         try:
             if self.logical_anchor:  # no KV bytes (DeepSeek-V4): the v2 pools carry the data
                 return [True] * len(keys)
@@ -274,6 +321,11 @@ class FlatCakeStorage(HybridPoolsMixin, HiCacheStorage):
     def batch_set_v1(self, keys: List[str], host_indices: torch.Tensor, extra_info: Optional[HiCacheStorageExtraInfo] = None) -> List[bool]:
         """Store pages from host-pool slots ``host_indices``. Ranks that are not the storage
         writer (MLA, ``tp_rank != 0``) write nothing and report success. Never raises."""
+        out = self._set_v1(keys, host_indices, extra_info)
+        self.calls.note("batch_set_v1", len(keys), sum(out))
+        return out
+
+    def _set_v1(self, keys, host_indices, extra_info) -> List[bool]:
         try:
             if self.logical_anchor:  # no KV bytes (DeepSeek-V4): the v2 pools carry the data
                 return [True] * len(keys)
@@ -294,6 +346,11 @@ class FlatCakeStorage(HybridPoolsMixin, HiCacheStorage):
     def batch_get(self, keys: List[str], target_locations: Optional[Any] = None, target_sizes: Optional[Any] = None) -> List[Optional[torch.Tensor]]:
         """Generic read path: fills ``target_locations[i]`` (flat data pages, e.g.
         ``get_dummy_flat_data_page()``) and returns it, or ``None`` from the first miss on."""
+        out = self._get_flat(keys, target_locations)
+        self.calls.note("batch_get", len(keys), len(out) - out.count(None))
+        return out
+
+    def _get_flat(self, keys, target_locations) -> List[Optional[torch.Tensor]]:
         try:
             if not self._ready() or not keys:
                 return [None] * len(keys)
@@ -320,6 +377,11 @@ class FlatCakeStorage(HybridPoolsMixin, HiCacheStorage):
     def batch_set(self, keys: List[str], values: Optional[Any] = None, target_locations: Optional[Any] = None, target_sizes: Optional[Any] = None) -> bool:
         """Generic write path: ``values[i]`` are flat data pages (views into the host pool,
         copied before returning). True only if every page is stored."""
+        ok = self._set_flat(keys, values)
+        self.calls.note("batch_set", len(keys), len(keys) if ok else 0)
+        return ok
+
+    def _set_flat(self, keys, values) -> bool:
         try:
             if not self.is_writer:
                 return not self._closed()
@@ -337,11 +399,15 @@ class FlatCakeStorage(HybridPoolsMixin, HiCacheStorage):
 
     def get(self, key: str, target_location: Optional[Any] = None, target_sizes: Optional[Any] = None) -> Optional[torch.Tensor]:
         """One page through the generic path; ``None`` on a miss."""
-        return self.batch_get([key], [target_location] if target_location is not None else None)[0]
+        page = self._get_flat([key], [target_location] if target_location is not None else None)[0]
+        self.calls.note("get", 1, page is not None)
+        return page
 
     def set(self, key: str, value: Optional[Any] = None, target_location: Optional[Any] = None, target_sizes: Optional[Any] = None) -> bool:
         """Store one flat page through the generic path."""
-        return self.batch_set([key], [value])
+        ok = self._set_flat([key], [value])
+        self.calls.note("set", 1, ok)
+        return ok
 
     # ------------------------------------------------------------------ admin
     def clear(self) -> None:
@@ -381,8 +447,11 @@ class FlatCakeStorage(HybridPoolsMixin, HiCacheStorage):
         """FlatCake's cumulative counters (see :class:`flatcake.store.StoreStats`); with a
         cluster also ``cluster`` (:meth:`flatcake.cluster.member.ClusterMember.stats`); while the
         FC-MAS plugin drives the prefetches also ``mas_lanes``
-        (:meth:`flatcake.mas.lanes.Lanes.stats`: prefetches per lane, overtakes)."""
+        (:meth:`flatcake.mas.lanes.Lanes.stats`: prefetches per lane, overtakes). Always
+        ``sglang_calls`` (:meth:`CallCounters.snapshot`: SGLang's calls per method, since this
+        backend was created, also before registration)."""
         d = self.store.snapshot_stats() if self.store is not None else {}
+        d["sglang_calls"] = self.calls.snapshot()
         if self.cluster is not None:
             d["cluster"] = self.cluster.stats()
         lanes = self.prefetch_lanes

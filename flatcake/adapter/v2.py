@@ -346,7 +346,7 @@ class HybridPoolsMixin:
         """KV's leading run; with a logical anchor every page, when some pool gates the hit
         (``all_pages`` / ``trailing_pages``), else 0 (no pool would vouch for any byte)."""
         if not self.logical_anchor:
-            return self.batch_exists(keys, extra_info)
+            return self._leading_run(keys, extra_info)  # not counted as an SGLang batch_exists call
         gates = any(pool_key(t.name) != PoolName.KV.value
                     and PoolHitPolicy(t.hit_policy) != PoolHitPolicy.BLOCK_GROUPS for t in pool_transfers or [])
         return len(keys) if gates else 0

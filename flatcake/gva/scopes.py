@@ -32,7 +32,7 @@ from flatcake.gva.index import GvaIndex, KeyClaims, PageEntry, SessionScope, pin
 from flatcake.gva.journal import COMPACT_MIN_ENTRIES, RETIRE, ROUND, JournalEntry, JournalWriter
 from flatcake.gva.listeners import Listeners
 from flatcake.gva.placement import Placement, PlacementDecision, PlacementPolicy, PlacementSignals, ReuseScope, reuse_code
-from flatcake.gva.signals import InterestCounter, RequeryFilter
+from flatcake.gva.signals import InterestCounter, RequeryFilter, TurnStarts
 from flatcake.layout import PageGeometry
 from flatcake.media import extent as fmt
 from flatcake.media.dram import DramRegion
@@ -76,6 +76,7 @@ class ScopeTable:
         self._journal_broken = False  # an append failed: rewrite the journal before the next one
         self.claims = KeyClaims(self.index)  # keys a put is writing now
         self.requeries = RequeryFilter(cfg.placement.requery_window_s)
+        self.turn_starts = TurnStarts()  # hit queries whose session shows at their first backup
         #: ``fn(keys, scope_id)`` for every scope freed (reclaim, drop, clear), under the writer
         #: lock (the v2 adapter retires a session's extra-pool pages, the cluster its records)
         self.retire_listeners = Listeners(errors, "retire listener")
@@ -88,13 +89,19 @@ class ScopeTable:
         a run that ends on a scope's tail and goes on with new keys starts that session's next
         turn; the missing keys' prefix reference counts go up. A query identical to one seen in
         the last ``placement.requery_window_s`` seconds (SGLang re-issues a request's hit query)
-        counts once (:class:`~flatcake.gva.signals.RequeryFilter`). Lock-free (best effort)."""
+        counts once (:class:`~flatcake.gva.signals.RequeryFilter`). When nothing is stored
+        (``n`` 0) and ``prefix_keys`` do not end on a scope's tail (SGLang 0.5.23 passes a hit
+        query only the keys before the radix node its match ends in), the turn is decided when
+        ``keys[0]`` is backed up (:class:`~flatcake.gva.signals.TurnStarts`). Lock-free (best
+        effort)."""
         if n >= len(keys) or self.requeries.seen(keys, prefix_keys):
             return
         last = keys[n - 1] if n else (prefix_keys[-1] if prefix_keys else None)
         scope = self.index.tails.get(last) if last is not None else None
         if scope is not None and not scope.retired:
             scope.new_turn()
+        elif n == 0:
+            self.turn_starts.note(keys[0])
         self.interest.note_missing(list(keys[n:]))
 
     def pin_leading_run(self, keys: Sequence[str]) -> list[PageEntry]:
@@ -141,6 +148,8 @@ class ScopeTable:
         scope = self.index.tails.get(parent) if parent is not None else None
         if scope is not None and scope.retired:
             scope = None
+        if self.turn_starts.take(keys[0]) and scope is not None:
+            scope.new_turn()  # a hit query that could not see its session (note_hit_query)
         if scope is None:
             pe = self.index.get(parent) if parent is not None else None
             turn = pe.scope.turn if pe is not None else 1

@@ -18,7 +18,12 @@ Session scope and turn from the key chain (SGLang passes ``extra_info.prefix_key
   session stay together); any other round opens a new scope, inheriting the parent scope's
   turn if the parent is stored;
 * a hit query whose stored run ends on a scope's tail and continues with new keys is a new
-  request of that session: the scope's turn is incremented (:meth:`~flatcake.gva.scopes.ScopeTable.note_hit_query`);
+  request of that session: the scope's turn is incremented (:meth:`~flatcake.gva.scopes.ScopeTable.note_hit_query`).
+  When nothing of the query is stored, the key before its first key is ``prefix_keys[-1]``, and
+  SGLang 0.5.23 gives a hit query only the keys before the radix node its device/host match ends
+  in (``None`` when there are none; backups get them all): such a query's first key is
+  remembered (:class:`TurnStarts`) and the turn is incremented when that page is backed up into
+  a round whose parent is a scope's tail;
 * "reply tokens" is measured as tokens appended to the scope in the current turn (SGLang's
   backend cannot tell prompt from reply pages);
 * prefix reference count = hit queries that asked for a page before it was written, the
@@ -71,6 +76,32 @@ class RequeryFilter:
             while self._seen and (len(self._seen) > self.capacity or now - next(iter(self._seen.values())) >= self.window_s):
                 self._seen.popitem(last=False)
         return False
+
+
+class TurnStarts:
+    """First keys of hit queries of which nothing was stored (bounded FIFO set): whether such a
+    request continues a session is known only once its first page is backed up (module
+    docstring). At most ``capacity`` keys are remembered (the oldest go first)."""
+
+    def __init__(self, capacity: int = 1 << 16):
+        self.capacity = capacity
+        self._keys: "OrderedDict[str, None]" = OrderedDict()
+        self._lock = threading.Lock()
+
+    def note(self, key: str) -> None:
+        with self._lock:
+            self._keys[key] = None
+            self._keys.move_to_end(key)
+            while len(self._keys) > self.capacity:
+                self._keys.popitem(last=False)
+
+    def take(self, key: str) -> bool:
+        """True (once) if ``key`` was noted and not taken since."""
+        with self._lock:
+            if key in self._keys:
+                del self._keys[key]
+                return True
+            return False
 
 
 class InterestCounter:

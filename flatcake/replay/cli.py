@@ -35,7 +35,7 @@ from tqdm import tqdm
 from flatcake.align import ALIGN
 from flatcake.config import ConfigError, FlatCakeConfig, load_config, read_yaml
 from flatcake.replay.budget import DiskBudgetError, check_disk_budget, file_max_size
-from flatcake.replay.engine import Engine, EngineConfig, ModelProfile, RequestOutcome
+from flatcake.replay.engine import Engine, EngineConfig, ModelProfile, RequestOutcome, reusable_counts
 from flatcake.replay.hybrid_engine import HybridEngine, hybrid_summary
 from flatcake.replay.hybrid_systems import make_hybrid_system, restrict_to_hybrid
 from flatcake.replay.keys import PageKeyer
@@ -287,7 +287,7 @@ def run_replay(cfg: FlatCakeConfig, settings: dict[str, Any], profile: ModelProf
                       max_context_tokens=settings["max_context_tokens"])
     keyer = PageKeyer(profile.page_size)
     keys = [keyer.keys(r) for r in reqs]
-    hits, total = ideal_hit_rate(keys)
+    hits, total = ideal_hit_rate(keys, reusable_counts(reqs, keys, profile.page_size))
     unique = len({k for ks in keys for k in ks})
     load_s = time.perf_counter() - t0
 

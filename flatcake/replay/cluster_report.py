@@ -24,7 +24,7 @@ import time
 from collections import Counter
 from typing import Any
 
-from flatcake.replay.engine import ModelProfile, RequestOutcome
+from flatcake.replay.engine import ModelProfile, RequestOutcome, reusable_counts
 from flatcake.replay.report import system_summary
 from flatcake.replay.traces import ideal_hit_rate
 
@@ -77,7 +77,7 @@ def cluster_summary(runs: dict, reqs: list, keys: list, profile: ModelProfile, n
     """The whole summary: trace, routing, each mode, and ``gain`` (cluster over isolated)."""
     from flatcake.replay.cluster_replay import conversations
 
-    hits, total = ideal_hit_rate(keys)
+    hits, total = ideal_hit_rate(keys, reusable_counts(reqs, keys, profile.page_size))
     modes = {m: mode_summary(run, profile, nodes) for m, run in runs.items()}
     c, i = modes["cluster"], modes["isolated"]
     node_of = [r["node"] for r in runs["cluster"]["replies"]]

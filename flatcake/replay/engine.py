@@ -3,14 +3,26 @@
 Lifecycle of one request (arrival order, one request at a time)::
 
     keys = page keys of the prompt (flatcake.replay.keys)
-    1. HBM match      longest prefix of keys in the HBM prefix cache (LRU, page granularity)
-    2. L3 hit query   batch_exists(rest, prefix_keys=keys before rest), once -> leading run h
-                      (skipped when the span or h is below prefetch_threshold tokens, as SGLang)
+    usable = the keys SGLang may take from a cache: those of the first (prompt_tokens - 1) // P
+             pages (:func:`reusable_pages`; it matches at most prompt - 1 tokens, so a prompt of
+             exactly k pages reuses k - 1 and computes, then writes, the k-th again)
+    1. HBM match      longest prefix of usable in the HBM prefix cache (LRU, page granularity)
+    2. L3 hit query   batch_exists(rest of usable, prefix_keys=keys before it), once -> leading
+                      run h (one call whatever its length, as SGLang's HybridCacheController;
+                      skipped when the span or h is below prefetch_threshold tokens, as SGLang)
     3. L3 read        batch_get_v1 / generic batch_get in 128-page calls into host-pool pages,
                       stop at the first page not delivered; EVERY delivered page is verified
     4. prefill        the rest of the pages are "computed": filled with their deterministic bytes
     5. L3 write       batch_set_v1 / generic batch_set of the computed pages in 128-page calls
     6. HBM insert     all pages of the prompt become most recent (prefix first); LRU eviction
+
+Not modelled: the pages the output completes (SGLang inserts prompt + output into its radix
+tree when a request finishes and writes those pages too, in a batch_set_v1 call of their own),
+the request SGLang warms up with at start, and SGLang's ``prefix_keys`` of hit queries and reads,
+which hold only the keys before the radix node the request's match ends in (the replay passes
+every key before the call's first key, as SGLang's backups do; FlatCake's placement gives the
+same answer either way: :meth:`flatcake.gva.scopes.ScopeTable.note_hit_query`);
+``tests/e2e/test_server_vs_doubles.py``.
 
 TTFT of a request = measured storage time of steps 2-3 (the calls only; byte verification is
 excluded) + modelled HBM load of the L3-delivered bytes at ``pcie_gbps`` + modelled prefill compute
@@ -325,6 +337,20 @@ class PageContent:
 
 
 # -------------------------------------------------------------------------------- the engine
+def reusable_pages(n_keys: int, prompt_tokens: int, page_size: int) -> int:
+    """Pages of a prompt SGLang can take from a cache (HBM, host or L3): it matches at most
+    ``prompt_tokens - 1`` tokens (the last prompt token is always computed: its logits give the
+    first output token; ``Req._compute_max_prefix_len``), in whole pages, and at most the
+    prompt's ``n_keys`` whole pages. A prompt of exactly k pages reuses k - 1."""
+    return max(0, min(n_keys, (prompt_tokens - 1) // page_size))
+
+
+def reusable_counts(reqs: Sequence[Any], keys: Sequence[Sequence[str]], page_size: int) -> list[int]:
+    """:func:`reusable_pages` of every request (``reqs[i].prompt_tokens`` with ``keys[i]``), for
+    :func:`flatcake.replay.traces.ideal_hit_rate`."""
+    return [reusable_pages(len(ks), r.prompt_tokens, page_size) for r, ks in zip(reqs, keys)]
+
+
 @dataclass
 class RequestOutcome:
     """What one request got from each tier, and its timings (seconds, tokens, pages)."""
@@ -403,15 +429,21 @@ class Engine:
         if self.pages.free_pages < 2 * STORAGE_BATCH_PAGES:
             raise ValueError(f"host_pool_pages must be >= {2 * STORAGE_BATCH_PAGES}")
 
+    def flush(self) -> None:
+        """Drop the HBM prefix cache, as SGLang's ``POST /flush_cache`` drops its device (and
+        host) tiers; the L3 keeps its pages."""
+        self.hbm = HbmCache(self.cfg.hbm_pages)
+
     def run(self, keys: Sequence[str], prompt_tokens: int) -> RequestOutcome:
         """Serve one request whose prompt has page keys ``keys`` and ``prompt_tokens`` tokens."""
         t_start = time.perf_counter()
         P = self.profile.page_size
         sysm = self.system
         out = RequestOutcome(pages=len(keys), prompt_tokens=prompt_tokens)
-        n_hbm = self.hbm.match_prefix(keys)
+        usable = keys[: reusable_pages(len(keys), prompt_tokens, P)]
+        n_hbm = self.hbm.match_prefix(usable)
         out.hbm_pages = n_hbm
-        rest = keys[n_hbm:]
+        rest = usable[n_hbm:]
         thr = self.cfg.prefetch_threshold_tokens
         loaded = 0
         if rest and len(rest) * P >= thr:

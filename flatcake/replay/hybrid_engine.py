@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from flatcake.config import STORAGE_BATCH_PAGES
-from flatcake.replay.engine import EngineConfig, HbmCache, HostPages, ModelProfile, RequestOutcome
+from flatcake.replay.engine import EngineConfig, HbmCache, HostPages, ModelProfile, RequestOutcome, reusable_pages
 from flatcake.replay.hybrid import PoolContent, page_slots
 
 
@@ -87,9 +87,10 @@ class HybridEngine:
         out.pool_pages = {s.name: 0 for s in (*self.derived, *self.trailing)}
         out.pool_verify_failures = dict.fromkeys(out.pool_pages, 0)
         out.pool_written_pages = dict.fromkeys(out.pool_pages, 0)
-        n_hbm = self.hbm.match_prefix(keys)
+        usable = keys[: reusable_pages(len(keys), prompt_tokens, P)]  # SGLang matches prompt - 1 tokens at most
+        n_hbm = self.hbm.match_prefix(usable)
         out.hbm_pages = n_hbm
-        rest = list(keys[n_hbm:])
+        rest = list(usable[n_hbm:])
         thr = self.cfg.prefetch_threshold_tokens
         loaded, trailing_bytes = 0, 0
         if self.system.has_l3 and rest and len(rest) * P >= thr:

@@ -6,8 +6,9 @@ and scheduler::
 
     arrivals      each request when due (:mod:`flatcake.replay.arrivals`: the rate sets when
                   conversations start, a turn keeps its offset in its conversation and waits for
-                  the previous turn's last token): HBM prefix match, then queue
-    hit queries   one thread, arrival order: batch_exists on the rest of the prompt; the pages
+                  the previous turn's last token): HBM prefix match (of the pages SGLang may
+                  reuse: :func:`~flatcake.replay.engine.reusable_pages`), then queue
+    hit queries   one thread, arrival order: batch_exists on the rest of those pages; the pages
                   of the hit on each medium (``medium_summary``); host pages for the hit, or the
                   prefetch is declined (host pool full: the request recomputes those tokens)
     prefetch I/O  the lanes (:mod:`flatcake.mas.lanes`): ``fcfs`` = SGLang's one I/O thread,
@@ -46,7 +47,7 @@ import torch
 from flatcake.config import STORAGE_BATCH_PAGES
 from flatcake.mas.lanes import LaneOp, make_lanes
 from flatcake.replay.arrivals import conversation_schedule, offered_qps, turns_before_previous_answer
-from flatcake.replay.engine import EngineConfig, HbmCache, HostPages, ModelProfile, PageContent
+from flatcake.replay.engine import EngineConfig, HbmCache, HostPages, ModelProfile, PageContent, reusable_pages
 from flatcake.replay.traces import TraceRequest
 
 
@@ -88,6 +89,7 @@ class Live:
     prompt_tokens: int
     output_tokens: int
     arrival: float
+    reusable_pages: int = 0  # leading pages SGLang may take from a cache (engine.reusable_pages)
     hbm_pages: int = 0
     hit: int = 0
     delivered: int = 0
@@ -134,7 +136,7 @@ class Live:
 
     @property
     def fetch_keys(self) -> Sequence[str]:
-        return self.keys[self.hbm_pages:]
+        return self.keys[self.hbm_pages:self.reusable_pages]
 
 
 class ServingModel:
@@ -418,8 +420,9 @@ class ServingModel:
 
     def _arrive(self, i: int, q: TraceRequest, ks: Sequence[str]) -> Live:
         r = Live(i, ks, q.prompt_tokens, max(1, q.output_tokens), time.monotonic())
+        r.reusable_pages = reusable_pages(len(ks), q.prompt_tokens, self.profile.page_size)
         with self._hbm_lock:
-            r.hbm_pages = self.hbm.match_prefix(ks)
+            r.hbm_pages = self.hbm.match_prefix(ks[: r.reusable_pages])
         with self._cv:
             self._waiting.append(r)
         self._query_q.put(r)

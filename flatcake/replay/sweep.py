@@ -17,7 +17,7 @@ import shutil
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from flatcake.replay.engine import EngineConfig, ModelProfile
+from flatcake.replay.engine import EngineConfig, ModelProfile, reusable_counts
 from flatcake.replay.keys import PageKeyer
 from flatcake.replay.serving import ServingConfig, serve
 from flatcake.replay.budget import check_disk_budget
@@ -103,7 +103,7 @@ def run_sweep(fc_keys: dict, settings: dict[str, Any], profile: ModelProfile, ec
                     shutil.rmtree(out / STORAGE_DIRS[name], ignore_errors=True)
             s["read_amplification"] = read_amplification(s, profile.page_size, profile.page_bytes)
             runs.append({"qps": qps, "scheduler": sched, "system": name, **s})
-    hits, total = ideal_hit_rate(keys)
+    hits, total = ideal_hit_rate(keys, reusable_counts(reqs, keys, profile.page_size))
     result = {"trace": os.path.normpath(str(settings["trace"])), "requests": len(reqs),
               "ideal_hit_rate": hits / total if total else None, "scale": settings.get("scale", 1),
               "timings_meaningful": settings.get("scale", 1) == 1,

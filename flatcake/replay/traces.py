@@ -229,19 +229,24 @@ def load_trace(
         raise TraceFormatError(f"{path}: not a readable {fmt} trace ({type(e).__name__}: {e})") from None
 
 
-def ideal_hit_rate(page_keys: Iterable[Sequence[str]]) -> tuple[int, int]:
+def ideal_hit_rate(page_keys: Iterable[Sequence[str]], reusable: Optional[Iterable[int]] = None) -> tuple[int, int]:
     """Infinite-cache page hits: a page hits when its key appeared in any earlier request.
 
     Args:
         page_keys: per request (in replay order), its page keys.
+        reusable: per request, how many of its leading pages a cache may serve at all
+            (:func:`flatcake.replay.engine.reusable_pages`: SGLang matches at most the prompt's
+            tokens but one); None: every page.
 
     Returns:
         ``(hit_pages, total_pages)``.
     """
     seen: set[str] = set()
     hits = total = 0
+    caps = iter(reusable) if reusable is not None else None
     for keys in page_keys:
         total += len(keys)
-        hits += sum(1 for k in keys if k in seen)
+        cap = next(caps) if caps is not None else len(keys)
+        hits += sum(1 for k in keys[:cap] if k in seen)
         seen.update(keys)
     return hits, total

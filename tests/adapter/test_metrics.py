@@ -264,3 +264,87 @@ def test_restores_count_read_calls_not_merged_reads(metered):
     st = be.flatcake_stats()
     assert _sample(be, "flatcake_restores_total") == st["ssd_restores"] == 1
     assert _sample(be, "flatcake_merged_reads_total") == st["merged_reads"] == 2
+
+
+def _calls(be, method):
+    return be.flatcake_stats()["sglang_calls"][method]
+
+
+def test_sglang_calls_are_counted_per_method_with_their_pages(metered):
+    """Every method SGLang calls is counted: calls, pages asked and the answer (the leading run
+    present, pages delivered, pages reported stored); the generic one-page ``get``/``set`` count
+    as themselves only, not also as ``batch_get``/``batch_set``."""
+    be, pool = metered()
+    keys = [f"c{i}" for i in range(5)]
+    assert write_pages(be, pool, keys[:3], range(3)) == [True] * 3
+    assert write_pages(be, pool, keys[:4], range(4)) == [True] * 4  # 3 already held: still "stored"
+    assert be.batch_exists(keys) == 4
+    assert be.batch_exists(["absent"] + keys) == 0
+    assert be.batch_get_v1(keys, slots_of(pool, range(10, 15))) == [True] * 4 + [False]
+    got = be.batch_get(keys[:2] + ["absent"], [pool.get_dummy_flat_data_page() for _ in range(3)])
+    assert [g is not None for g in got] == [True, True, False]
+    assert be.batch_set(["g0", "g1"], [pool.get_data_page(i * pool.page_size) for i in range(2)]) is True
+    assert be.exists("c0") and not be.exists("absent")
+    assert be.get("c1", pool.get_dummy_flat_data_page()) is not None and be.get("absent") is None
+    assert be.set("s0", pool.get_data_page(0)) is True
+    calls = be.flatcake_stats()["sglang_calls"]
+    assert calls["batch_set_v1"] == {"calls": 2, "asked": 7, "stored": 7}
+    assert calls["batch_exists"] == {"calls": 2, "asked": 11, "present": 4}
+    assert calls["batch_get_v1"] == {"calls": 1, "asked": 5, "delivered": 4}
+    assert calls["batch_get"] == {"calls": 1, "asked": 3, "delivered": 2}
+    assert calls["batch_set"] == {"calls": 1, "asked": 2, "stored": 2}
+    assert calls["exists"] == {"calls": 2, "asked": 2, "present": 1}
+    assert calls["get"] == {"calls": 2, "asked": 2, "delivered": 1}
+    assert calls["set"] == {"calls": 1, "asked": 1, "stored": 1}
+    be.refresh_metrics(force=True)
+    for method, c in calls.items():
+        assert _sample(be, "flatcake_sglang_calls_total", method=method) == c["calls"]
+        for what, pages in c.items():
+            if what != "calls":
+                assert _sample(be, "flatcake_sglang_call_pages_total", method=method, what=what) == pages
+
+
+def test_a_failed_put_is_counted_as_asked_not_stored(metered, monkeypatch):
+    be, pool = metered(extra={"ssd.write_backlog_bytes": 0})
+
+    def refuse(fd, bufs, off):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "pwritev", refuse)
+    assert write_pages(be, pool, ["f0", "f1"], [0, 1]) == [False, False]
+    assert _calls(be, "batch_set_v1") == {"calls": 1, "asked": 2, "stored": 0}
+
+
+def test_call_counters_go_on_when_the_store_is_reopened(metered):
+    """The call counters belong to the adapter, not the store: a re-registered host pool (a
+    new store, whose own counters restart at 0) neither resets nor re-exports them."""
+    be, pool = metered()
+    write_pages(be, pool, ["m0", "m1"], [0, 1])
+    be.batch_exists(["m0", "m1"])
+    be.refresh_metrics(force=True)
+    be.register_mem_pool_host(pool)
+    be.batch_exists(["m0"])
+    be.refresh_metrics(force=True)
+    assert _calls(be, "batch_exists") == {"calls": 2, "asked": 3, "present": 3}
+    assert _sample(be, "flatcake_sglang_calls_total", method="batch_exists") == 2
+    assert _sample(be, "flatcake_sglang_call_pages_total", method="batch_exists", what="present") == 3
+    assert _sample(be, "flatcake_sglang_calls_total", method="batch_set_v1") == 1
+
+
+def test_the_fc_mas_plugin_lanes_reach_flatcake_stats_and_metrics(metered):
+    from flatcake.mas.lanes import LaneOp, MediumAwareLanes
+
+    be, pool = metered()
+    lanes = MediumAwareLanes(ssd_workers=1)
+    be.prefetch_lanes = lanes  # as flatcake.adapter.plugin.PrefetchLanes attaches them
+    ops = [LaneOp("restore", 0.0, 0, 4, 4 << 20, lambda: None), LaneOp("dram", 1.0, 4, 0, 0, lambda: None)]
+    for op in ops:
+        lanes.submit(op)
+    assert all(op.wait(5) for op in ops)
+    lanes.close()
+    st = be.flatcake_stats()["mas_lanes"]
+    assert (st["dram"], st["ssd"]) == (1, 1) and st["overtakes"] == lanes.stats()["overtakes"]
+    be.refresh_metrics(force=True)
+    assert _sample(be, "flatcake_mas_prefetches_total", lane="dram") == 1
+    assert _sample(be, "flatcake_mas_prefetches_total", lane="ssd") == 1
+    assert _sample(be, "flatcake_mas_overtakes_total") == st["overtakes"]

@@ -81,6 +81,32 @@ def test_short_chat_turn2_after_short_reply_goes_to_dram_and_later_turns_join(ba
     assert s is not scope1 and s.medium == MEDIUM_DRAM and s.reuse == ReuseScope.SHORT_CHAT and s.turn == 2
 
 
+@pytest.mark.parametrize("query_prefix", [None, ["c0"]])
+def test_turn2_whose_turn1_sglang_holds_in_its_device_cache_starts_the_next_turn(backend, query_prefix):
+    """As a real SGLang 0.5.23 server calls it (tests/e2e/test_server_vs_doubles.py): turn 1 is
+    still in the device cache, so turn 2's hit query asks only for the new page, and its
+    ``prefix_keys`` hold the keys before the radix node the match ends in (``None`` when there
+    are none, or a shorter chain), not turn 1's tail. The next turn then starts when the new page
+    is backed up (the backup's ``prefix_keys`` end on the tail), exactly once."""
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo
+
+    be, pool = backend()
+    t1 = ["c0", "c1"]  # 8 tokens
+    be.batch_exists(t1)
+    put(be, pool, t1, 0, [])
+    scope1 = be.store.index.get("c0").scope
+    assert be.batch_exists(["c2"], HiCacheStorageExtraInfo(prefix_keys=query_prefix)) == 0
+    assert scope1.turn == 1  # the query cannot tell
+    put(be, pool, ["c2"], 2, t1)
+    assert be.store.index.get("c2").scope is scope1
+    assert (scope1.turn, scope1.prev_turn_tokens, scope1.cur_turn_tokens) == (2, 8, 4)
+    put(be, pool, ["c3"], 3, t1 + ["c2"])  # the same request's next round (its output page): same turn
+    assert scope1.turn == 2
+    assert be.batch_exists(["d0"]) == 0  # an unrelated request at the root: nothing to continue
+    put(be, pool, ["d0"], 4, [])
+    assert be.store.index.get("d0").scope.turn == 1
+
+
 def test_context_over_l_agent_goes_to_ssd_and_dram_scope_continues_on_ssd(backend):
     be, pool = backend()
     shared = ["s0", "s1"]

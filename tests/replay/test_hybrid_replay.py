@@ -38,30 +38,33 @@ def _run(tmp_path, trace, systems, profile=None, **replay):
 
 
 @pytest.mark.parametrize("system", ["flatcake", "file"])
-def test_hybrid_mooncake_every_reuse_restored_by_every_pool(tmp_path, mooncake_path, system):
-    # As the dense replay (test_replay_e2e): 48 of 88 pages are reuses, 40 computed. The SWA
-    # window (1 page) is stored at the end of each request's backup: r0 at page 15, r1 at 23,
-    # r2 (block 4) at 7; r1 restores 16 pages (cut at r0's end), r3 24 (r1's end), r4 8 (r2's
-    # end): 48 pages, 3 SWA restores; r4 computes nothing, so 4 SWA pages are written.
+def test_hybrid_mooncake_reuses_restored_by_every_pool_where_the_window_was_stored(tmp_path, mooncake_path, system):
+    # As the dense replay (test_replay_e2e): 47 of 88 pages are reusable reuses (r4, exactly
+    # 512 tokens, may reuse 7 of its 8 pages: SGLang matches prompt - 1 tokens). The SWA window
+    # (1 page) is stored at the end of each request's backup: r0 at page 15, r1 at 23, r2 (block
+    # 4) at 7; r1 restores 16 pages (cut at r0's end), r3 24 (r1's end): 40 pages, 2 SWA
+    # restores. r4's cut at 7 needs a window at page 6, never stored: no usable prefix, so it
+    # computes and writes its 8 pages again (48 written); its window (page 7) is r2's: 5 SWA
+    # pages written, 4 of them new.
     s = _run(tmp_path, mooncake_path, [system])
     r = s["systems"][system]
     assert r["hybrid"] is True and r["verify_failures"] == 0 and r["backend_errors"] == 0
-    assert r["hit_tokens"]["dram"] + r["hit_tokens"]["ssd"] == 48 * PAGE
-    assert r["delivered_hit_rate"] == pytest.approx(48 / 88) == s["ideal_hit_rate"]
-    assert r["written_pages"] == 40 and r["trailing_misses"] == 0
+    assert r["hit_tokens"]["dram"] + r["hit_tokens"]["ssd"] == 40 * PAGE
+    assert r["delivered_hit_rate"] == pytest.approx(40 / 88) and s["ideal_hit_rate"] == pytest.approx(47 / 88)
+    assert r["written_pages"] == 48 and r["trailing_misses"] == 0
     p = r["pools"]
     for name, pb in (("deepseek_v4_c4", 192), ("deepseek_v4_c4_indexer", 80)):
-        assert p[name] == {"hit_policy": "all_pages", "window_pages": None, "page_bytes": pb, "delivered_pages": 48,
-                           "verify_failures": 0, "written_pages": 40, **({"counters": p[name]["counters"]}
+        assert p[name] == {"hit_policy": "all_pages", "window_pages": None, "page_bytes": pb, "delivered_pages": 40,
+                           "verify_failures": 0, "written_pages": 48, **({"counters": p[name]["counters"]}
                                                                         if system == "flatcake" else {})}
-    assert (p["swa"]["delivered_pages"], p["swa"]["written_pages"], p["swa"]["verify_failures"]) == (3, 4, 0)
+    assert (p["swa"]["delivered_pages"], p["swa"]["written_pages"], p["swa"]["verify_failures"]) == (2, 5, 0)
     assert p["swa"]["page_bytes"] == 400 and p["swa"]["window_pages"] == 1
     if system == "file":  # the harness's own accounting: every pool's bytes, one op per page
-        assert r["ssd_read_bytes"] == 48 * (192 + 80) + 3 * 400 and r["ssd_read_ops"] == 48 * 2 + 3
-        assert r["ssd_write_bytes"] == 40 * (192 + 80) + 4 * 400
+        assert r["ssd_read_bytes"] == 40 * (192 + 80) + 2 * 400 and r["ssd_read_ops"] == 40 * 2 + 2
+        assert r["ssd_write_bytes"] == 40 * (192 + 80) + 4 * 400  # HiCacheFile skips the keys it holds
     else:  # FlatCake's extra-pool stores: each pool read exactly its pages
-        assert p["deepseek_v4_c4"]["counters"]["hit_pages_ssd"] + p["deepseek_v4_c4"]["counters"]["hit_pages_dram"] == 48
-        assert p["swa"]["counters"]["hit_pages_ssd"] + p["swa"]["counters"]["hit_pages_dram"] == 3
+        assert p["deepseek_v4_c4"]["counters"]["hit_pages_ssd"] + p["deepseek_v4_c4"]["counters"]["hit_pages_dram"] == 40
+        assert p["swa"]["counters"]["hit_pages_ssd"] + p["swa"]["counters"]["hit_pages_dram"] == 2
         assert r["logical_write_bytes"] == 40 * (192 + 80) + 4 * 400
     assert s["model"]["pools"][0]["page_bytes"] == 192 and s["model"]["page_bytes"] == 272
 
@@ -70,10 +73,11 @@ def test_a_prefix_without_its_trailing_window_is_not_restored(tmp_path):
     # r0 stores blocks 0,1,2 (24 pages) with its SWA window at page 23. r1 shares blocks 0,1 (16
     # pages) but the SWA state at page 16's cut was never stored: no usable prefix, 0 L3 hits
     # (a dense model would restore 16). r2 repeats r1: its cut at 24 has r1's window -> 24.
+    # (1540 tokens: 4 past the 24 pages, so all 24 are reusable; SGLang matches prompt - 1 tokens)
     trace = tmp_path / "t.jsonl"
-    rows = [{"timestamp": 0, "input_length": 1536, "output_length": 1, "hash_ids": [0, 1, 2]},
-            {"timestamp": 1, "input_length": 1536, "output_length": 1, "hash_ids": [0, 1, 7]},
-            {"timestamp": 2, "input_length": 1536, "output_length": 1, "hash_ids": [0, 1, 7]}]
+    rows = [{"timestamp": 0, "input_length": 1540, "output_length": 1, "hash_ids": [0, 1, 2]},
+            {"timestamp": 1, "input_length": 1540, "output_length": 1, "hash_ids": [0, 1, 7]},
+            {"timestamp": 2, "input_length": 1540, "output_length": 1, "hash_ids": [0, 1, 7]}]
     trace.write_text("".join(json.dumps(r) + "\n" for r in rows))
     s = _run(tmp_path, trace, ["flatcake", "file"])
     for n in ("flatcake", "file"):
@@ -111,7 +115,7 @@ def test_other_systems_are_skipped_and_qps_refused(tmp_path, mooncake_path, caps
     assert set(s["skipped_systems"]) == {"tiered", "dram-only"} and "v2" in s["skipped_systems"]["tiered"]
     assert s["systems"]["recompute"]["hit_tokens"]["ssd"] == 0 and s["systems"]["flatcake"]["verify_failures"] == 0
     md = (out / "summary.md").read_text()
-    assert "system tiered skipped" in md and "| pool swa: pages restored (verify failures) | 3 (0 bad) | – |" in md
+    assert "system tiered skipped" in md and "| pool swa: pages restored (verify failures) | 2 (0 bad) | – |" in md
     assert main(["--config", str(cfg), "--qps", "1", "--out", str(out)]) == 2
     assert "--qps" in capsys.readouterr().err
     assert main(["--config", str(cfg), "--systems", "tiered", "--out", str(out)]) == 2
@@ -186,7 +190,7 @@ def test_model_flag_replaces_the_configs_model(tmp_path, mooncake_path):
     assert main(["--config", str(cfg), "--model", str(prof), "--systems", "file", "--out", str(out), "--no-progress"]) == 0
     s = json.loads((out / "summary.json").read_text())
     assert s["model"]["name"] == "tiny/dsv4" and s["config"]["model"] == {"profile": str(prof.resolve())}
-    assert s["systems"]["file"]["hit_tokens"]["ssd"] == 48 * PAGE and s["systems"]["file"]["verify_failures"] == 0
+    assert s["systems"]["file"]["hit_tokens"]["ssd"] == 40 * PAGE and s["systems"]["file"]["verify_failures"] == 0
 
 
 def test_disk_budget_counts_every_pool_and_each_requests_trailing_window(tmp_path, mooncake_path, monkeypatch):
@@ -255,7 +259,9 @@ def test_pages_sglangs_controller_backs_up_are_restored_by_the_replay(tmp_path):
     cc._page_backup_with_stable_layout(op)
     assert op.completed_tokens == n * PAGE
 
-    o = eng.run(keys, n * PAGE)
+    # one token past the n pages SGLang backed up (a prompt of exactly n pages may reuse n - 1,
+    # and the SWA window at page n - 2 was never stored)
+    o = eng.run(keys, n * PAGE + 1)
     assert (o.l3_query_pages, o.dram_pages + o.ssd_pages, o.computed_pages, o.trailing_misses) == (n, n, 0, 0)
     assert o.pool_pages == {"deepseek_v4_c4": n, "deepseek_v4_c4_indexer": n, "swa": 1} and o.verify_failures == 0
     sysm.close()
