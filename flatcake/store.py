@@ -106,7 +106,8 @@ class PageStore:
         namespace: string naming model, ranks, page size, dtype, layout (see the adapter).
         restore_engine: FC-CIO engine for SSD reads; built from ``cfg.cio`` when ``None``.
         instance: extra pool-name component (attention-DP replicas: ``"dp<rank>"``).
-        role: ``"single"``; or for MLA with TP > 1 ``"writer"`` (rank that stores and journals)
+        role: ``"single"``; or for MLA with TP > 1 ``"writer"`` (rank that stores and journals;
+            DRAM and the SSD write queue off: its pages must be on disk for the followers)
             / ``"follower"`` (ranks that mirror the writer's pool; DRAM off, checksums on).
 
     Raises:
@@ -189,7 +190,12 @@ class PageStore:
         self.ssd.add_forget_listener(self.reader.forget_file)  # a file leaving/re-entering service with its drive
         self.backup = Backup(self.scopes, self.writer, self.reader, self.ssd, g, self.max_round_pages, self.stats,
                              self.errors)
-        if cfg.ssd.write_backlog_bytes > 0 and role != "follower":  # reads first, writes in the gaps
+        if cfg.ssd.write_backlog_bytes > 0 and role == "writer":
+            # like DRAM pages, queued rounds live in this process only: the follower ranks see a
+            # round once it is on disk and journaled, and SGLang takes the MIN hit count over the
+            # ranks, so the put writes its rounds itself (they are hits on every rank when it returns)
+            log.info("flatcake: SSD write queue off: pages are shared with other TP ranks through SSD")
+        if cfg.ssd.write_backlog_bytes > 0 and role == "single":  # reads first, writes in the gaps
             self.queue = WriteQueue(cfg.ssd.write_backlog_bytes, self.backup.complete_queued, self.backup.drop_queued,
                                     self.stats, self.errors, cfg.node_id)
             self.backup.attach_queue(self.queue, cfg.ssd.write_backlog_wait_s, cfg.node_id)

@@ -25,11 +25,23 @@ shim acts only on a name SGLang left unbound or on a call that cannot run withou
        need CUDA): ``pin_memory=False`` when CUDA is absent.    are unchanged.
 4      ``transfer_kv_direct``, ``transfer_kv_per_layer_direct  These are the L1 <-> L2 copies
        _pf_lf``, ``transfer_kv_all_layer_direct_lf_pf``, which (device KV <-> host pool), not L3; the
-       ``pool_host/mha.py`` binds from sgl-kernel only on CUDA  torch versions follow sgl-kernel's
-       or HIP: torch-indexing versions, bound only where        reference (``test_kvcacheio.py``) and
-       SGLang bound nothing.                                    are tested against it here.
+       ``pool_host/mha.py`` and ``pool_host/mla.py`` (MLA: one  torch versions follow sgl-kernel's
+       latent buffer) bind from sgl-kernel only on CUDA or HIP  reference (``test_kvcacheio.py``) and
+       (XPU: its own wheel): torch-indexing versions, bound     are tested against it here (MHA; MLA
+       only where SGLang bound nothing.                         through the server's reference tokens).
 5      ``torch.cpu.Stream`` lacks ``synchronize`` / ``query``   CPU work is synchronous: there is
        (``l2_transfer.py``'s error path calls them).            nothing to wait for.
+6      MLA models (DeepSeek-V2 style): SGLang registers no      The absorbed MLA path is SGLang's own
+       ``torch_native`` handler in ``deepseek_common/attention  (it already takes it for every extend
+       _backend_handler.py``; the ``triton`` fallback sends a   with a cached prefix, i.e. after every
+       prefix-less prefill to the MHA path, whose K/V           L2/L3 restore, and for every decode),
+       (``attn_mha``: qk 128 / v 64 wide) ``torch_native``      mathematically the same attention, and
+       then reads back from the 576-wide latent pool            it writes the same latent (normed
+       (``RuntimeError: Expected size for first two dimensions  ``kv_a`` + roped ``k_pe``) per token
+       of batch2 tensor to be: [4, 128] but got: [4, 576]``).   into the KV pool, so the pages HiCache
+       A ``torch_native`` handler that always picks the         backs up and restores are the bytes the
+       absorbed MLA path (``_dispatch_mla_subtype``),           MHA prefill would write. Registered
+       registered only if SGLang registered none.               only where SGLang left the name unbound.
 =====  =====================================================  ======================================
 
 None touches the HiCache controller, the radix cache, prefetch/backup logic or any storage call.
@@ -201,7 +213,8 @@ class _SglKernelFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
 # ---------------------------------------------------------------------------------- post-import hooks
 def _patch_mha(module) -> List[str]:
-    """Shim 4: bind the direct-io copies where ``pool_host/mha.py`` bound nothing."""
+    """Shim 4: bind the direct-io copies where ``pool_host/mha.py`` (or ``pool_host/mla.py``: the same
+    three names, one latent buffer instead of K and V) bound nothing."""
     bound = []
     for name, fn in _MHA_DIRECT.items():
         if not hasattr(module, name):
@@ -226,6 +239,21 @@ def _patch_host_base(module) -> List[str]:
     return ["HostKVCache.__init__(pin_memory=False)"]
 
 
+def _patch_mla_dispatch(module) -> List[str]:
+    """Shim 6: a ``torch_native`` entry in DeepSeek's ``AttentionBackendRegistry`` (absorbed MLA
+    always), only if SGLang registered none."""
+    registry = module.AttentionBackendRegistry
+    if "torch_native" in registry._handlers:
+        return []
+    dispatch = module._dispatch_mla_subtype
+
+    def handle_attention_torch_native(attn, forward_batch):
+        return dispatch(attn, forward_batch)
+
+    registry.register("torch_native", handle_attention_torch_native)
+    return ["AttentionBackendRegistry['torch_native'] -> absorbed MLA"]
+
+
 def _patch_cpu_stream() -> List[str]:
     """Shim 5: no-op ``synchronize`` / ``query`` on ``torch.cpu.Stream``."""
     done = []
@@ -241,7 +269,9 @@ def _patch_cpu_stream() -> List[str]:
 
 _POST_IMPORT: Dict[str, Callable] = {
     "sglang.srt.mem_cache.pool_host.mha": _patch_mha,
+    "sglang.srt.mem_cache.pool_host.mla": _patch_mha,
     "sglang.srt.mem_cache.pool_host.base": _patch_host_base,
+    "sglang.srt.models.deepseek_common.attention_backend_handler": _patch_mla_dispatch,
 }
 
 
@@ -283,7 +313,7 @@ def cuda_absent() -> bool:
 
 
 def install() -> bool:
-    """Put the five shims in place in this process (idempotent).
+    """Put the six shims in place in this process (idempotent).
 
     Returns:
         True when they are active; False when CUDA is available (nothing is changed).

@@ -12,7 +12,16 @@ Kinds (``build(kind, path)``):
 * ``llama`` — MHA (``LlamaForCausalLM``);
 * ``qwen2`` — MHA (``Qwen2ForCausalLM``, biases on q/k/v);
 * ``deepseek_v2`` — MLA (``DeepseekV2ForCausalLM``: ``kv_lora_rank`` 512 + ``qk_rope_head_dim`` 64,
-  one 576-wide latent per token per layer, no MoE layers).
+  one 576-wide latent per token per layer; every layer dense, ``first_k_dense_replace`` = layers, so
+  no MoE; RoPE as ``yarn`` with factor 1, i.e. plain RoPE, because SGLang's CPU engine builds MLA
+  RoPE only as ``deepseek_yarn``: ``rotary_embedding/factory.py`` ``get_rope_cpu``). SGLang serves
+  it on the CPU engine with CPU shim 6 (:mod:`flatcake.testing.cpu_shims`), also over TP 2;
+* ``mellum`` — a sliding-window hybrid (``MellumForCausalLM``: layer types alternate sliding /
+  full attention, the last full; ``sliding_window`` 64; dense MLPs). SGLang builds an
+  ``SWAKVPool`` for it, so HiCache drives FlatCake's v2 interface for the SWA pool. On the CPU
+  engine SGLang's ``torch_native`` backend reads SWA layers with untranslated indices, so its
+  tokens do not match ``transformers`` unless ``--disable-hybrid-swa-memory``
+  (``tests/e2e/test_server_models.py``).
 
 The helper writes ``config.json``, ``model.safetensors``, ``tokenizer.json``,
 ``tokenizer_config.json`` (with the chat template) and ``generation_config.json`` into ``path``, and
@@ -42,8 +51,9 @@ _WORDS = ("cache page prefix layer token session agent restore extent medium wri
 
 @dataclass(frozen=True)
 class TinyModelSpec:
-    """What to build. ``kind``: ``llama``, ``qwen2`` or ``deepseek_v2``; ``kv_heads`` × ``head_dim``
-    (MHA) set the KV bytes per token per layer; ``seed`` fixes weights and tokenizer."""
+    """What to build. ``kind``: ``llama``, ``qwen2``, ``deepseek_v2`` or ``mellum``; ``kv_heads`` ×
+    ``head_dim`` (MHA, Mellum) set the KV bytes per token per layer; ``sliding_window``: Mellum's
+    window (tokens); ``seed`` fixes weights and tokenizer."""
 
     kind: str = "llama"
     layers: int = 2
@@ -55,6 +65,7 @@ class TinyModelSpec:
     max_positions: int = 8192
     seed: int = 0
     std: float = 0.5
+    sliding_window: int = 64
 
 
 def synthetic_corpus(lines: int = 2000, seed: int = 0) -> list[str]:
@@ -93,6 +104,14 @@ def _build_tokenizer(spec: TinyModelSpec, path: Path) -> None:
     fast.save_pretrained(str(path))
 
 
+def _yarn_rope(spec: TinyModelSpec) -> dict:
+    """DeepSeek's YaRN RoPE with factor 1 (the same rotation as plain RoPE, in ``transformers`` and
+    in SGLang's ``DeepseekScalingRotaryEmbedding``, the only MLA RoPE SGLang's CPU engine builds)."""
+    return {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 1.0,
+            "original_max_position_embeddings": spec.max_positions, "beta_fast": 32.0, "beta_slow": 1.0,
+            "mscale": 1.0, "mscale_all_dim": 1.0}
+
+
 def _config(spec: TinyModelSpec, vocab: int, bos: int, eos: int):
     common = dict(vocab_size=vocab, hidden_size=spec.hidden, intermediate_size=2 * spec.hidden,
                   num_hidden_layers=spec.layers, num_attention_heads=spec.heads,
@@ -111,9 +130,23 @@ def _config(spec: TinyModelSpec, vocab: int, bos: int, eos: int):
 
         return DeepseekV2Config(num_key_value_heads=spec.heads, kv_lora_rank=512, q_lora_rank=None,
                                 qk_nope_head_dim=64, qk_rope_head_dim=64, v_head_dim=64,
-                                n_routed_experts=None, first_k_dense_replace=spec.layers,
-                                moe_intermediate_size=spec.hidden, rope_scaling=None, **common)
-    raise ValueError(f"tiny model kind {spec.kind!r}: use llama, qwen2 or deepseek_v2")
+                                # n_routed_experts must be an int; no layer reaches first_k_dense_replace
+                                n_routed_experts=1, first_k_dense_replace=spec.layers,
+                                moe_intermediate_size=spec.hidden, rope_parameters=_yarn_rope(spec),
+                                moe_layer_freq=1,  # SGLang reads it for the layer after the last one
+                                **common)
+    if spec.kind == "mellum":
+        from transformers import MellumConfig
+
+        return MellumConfig(num_key_value_heads=spec.kv_heads, head_dim=spec.head_dim, sliding_window=spec.sliding_window,
+                            layer_types=_mellum_layer_types(spec.layers), mlp_layer_types=["dense"] * spec.layers,
+                            **common)
+    raise ValueError(f"tiny model kind {spec.kind!r}: use llama, qwen2, deepseek_v2 or mellum")
+
+
+def _mellum_layer_types(layers: int) -> list:
+    """Sliding-window layers with a full-attention layer last (every other layer full)."""
+    return ["full_attention" if (layers - 1 - i) % 2 == 0 else "sliding_attention" for i in range(layers)]
 
 
 def build(path: str | Path, spec: TinyModelSpec = TinyModelSpec()) -> Path:
