@@ -92,7 +92,9 @@ class NativeLoop:
                     fn, why = self.build() if on else (None, f"{self.env}={os.environ.get(self.env, '0 (default)')}")
                     if fn is None:
                         log.info("%s (%s)", self.fallback_note, why)
-                    self.state["fn"] = fn
+                    # setdefault: a value set meanwhile (a test forcing the fallback while a
+                    # warm-up thread compiled) wins
+                    self.state.setdefault("fn", fn)
         return self.state["fn"]
 
     def warm_up(self, thread_name: str) -> None:

@@ -66,6 +66,13 @@ def _build():
 LOOP = NativeLoop(_build, "FLATCAKE_NATIVE_WRITE", "write queue: a pwritev per piece from Python")
 
 
+def warm_up() -> None:
+    """Compile and load the C piece loop in a background thread (called when a store opens its
+    write queue): else the writer thread's first round of each process waits for the compiler
+    (0.25 s here, seconds on a busy machine) while every queued round stays in memory."""
+    LOOP.warm_up("fc-write-init")
+
+
 def piece_writer(ends: Sequence[int], readers: Optional[np.ndarray],
                  between: Optional[Callable[[], None]]) -> Optional[Callable]:
     """A ``pwrite(fd, mv, offset) -> bytes written`` for :meth:`SsdFilePool.write` that writes
@@ -101,4 +108,4 @@ def piece_writer(ends: Sequence[int], readers: Optional[np.ndarray],
     return pwrite
 
 
-__all__ = ["LOOP", "piece_writer"]
+__all__ = ["LOOP", "piece_writer", "warm_up"]

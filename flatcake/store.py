@@ -32,6 +32,7 @@ import time
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+from flatcake import native_write
 from flatcake.backup import Backup, count_keys
 from flatcake.config import ConfigError, FlatCakeConfig
 from flatcake.errorlog import ErrorLog
@@ -200,6 +201,7 @@ class PageStore:
                                     self.stats, self.errors, cfg.node_id)
             self.backup.attach_queue(self.queue, cfg.ssd.write_backlog_wait_s, cfg.node_id)
             self.reader.queue = self.queue
+            native_write.warm_up()  # the writer's C piece loop, ready before the first round
 
     # ================================================================ queries
     def exists(self, key: str) -> bool:

@@ -420,12 +420,15 @@ class FlatCakeStorage(HybridPoolsMixin, HiCacheStorage):
             self.errors("clear", e)
 
     def flush_writes(self, timeout_s: float = 10.0) -> bool:
-        """Wait until the pages stored so far are on their medium (the write queue drained) and,
-        in a cluster, their rounds are committed to the index (tests, the replay's nodes).
-        Returns False after ``timeout_s`` seconds per stage (seconds) or before registration."""
+        """Wait until the pages stored so far are on their medium (the write queues drained: the
+        KV store's and every v2 extra pool's, :meth:`flush_extra_pools`) and, in a cluster,
+        their rounds are committed to the index (tests, the replays). Returns False after
+        ``timeout_s`` seconds per stage (seconds) or before registration (no store open: with a
+        logical KV anchor, only the pools' stores)."""
+        pools = self.flush_extra_pools(timeout_s)  # None: no extra pool store
         if self.store is None:
-            return False
-        ok = self.store.flush_writes(timeout_s)
+            return bool(pools)
+        ok = self.store.flush_writes(timeout_s) and pools is not False
         if self.cluster is not None:
             ok = self.cluster.flush(timeout_s) and ok
         return bool(ok)

@@ -275,6 +275,16 @@ class HybridPoolsMixin:
         (:meth:`flatcake.store.PageStore.snapshot_stats`); ``flatcake_stats()`` stays KV's."""
         return {p.name: p.store.snapshot_stats() for p in list(self._v2_state().values()) if p.store is not None}
 
+    def flush_extra_pools(self, timeout_s: float = 10.0) -> Optional[bool]:
+        """Wait until every extra pool's SSD write queue is empty
+        (:meth:`flatcake.store.PageStore.flush_writes`, up to ``timeout_s`` seconds per pool).
+        True when all drained, False when one did not, ``None`` when no extra pool has a store.
+        Never raises."""
+        stores = [p.store for p in list(self._v2_state().values()) if p.store is not None]
+        if not stores:
+            return None
+        return all([s.flush_writes(timeout_s) for s in stores])  # every store, also after a False
+
     def close_extra_pools(self) -> None:
         """Close every extra pool's store (from ``close``). Never raises."""
         for p in list(self._v2_state().values()):

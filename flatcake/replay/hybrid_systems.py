@@ -22,6 +22,7 @@ file per KV anchor page). Other systems cannot run a hybrid profile
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import threading
@@ -37,6 +38,8 @@ from flatcake.replay.budget import file_extra_at_equal_capacity
 from flatcake.replay.engine import ModelProfile
 from flatcake.replay.hybrid import HybridPools, pool_transfer
 from flatcake.replay.systems import COUNTER_KEYS, STORAGE_DIRS, L3System, extra_info, profile_storage_config
+
+log = logging.getLogger(__name__)
 
 #: systems that run a hybrid profile through v2 (``recompute`` moves no bytes)
 HYBRID_SYSTEMS = ("flatcake", "file", "recompute")
@@ -152,9 +155,13 @@ class FlatCakeV2System(V2System):
     """FlatCakeStorage (SGLang's factory, ``dynamic``, ``interface_v1``) with a logical KV
     anchor: the anchor's v1 calls run as SGLang runs them (zero-copy) and move no bytes; the
     extra-pool stores hold the pages. Counters are the sums over the extra pools'
-    ``extra_pool_stats()``."""
+    ``extra_pool_stats()`` (:meth:`pool_counters`), read once every pool's SSD write queue
+    drained (:meth:`counters`)."""
 
     name = "flatcake"
+
+    #: seconds :meth:`counters` waits for the pools' write queues to drain (as the dense replay's)
+    FLUSH_TIMEOUT_S = 600.0
 
     def __init__(self, profile: ModelProfile, pools: HybridPools, ssd_dir: Path, flatcake_keys: Mapping[str, Any]):
         from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
@@ -162,6 +169,8 @@ class FlatCakeV2System(V2System):
         extra = {**FLATCAKE_EXTRA, **dict(flatcake_keys), "ssd.path": str(ssd_dir)}
         backend = StorageBackendFactory.create_backend("dynamic", profile_storage_config(profile, extra), None)
         super().__init__(profile, pools, backend)
+        #: per pool, the counters :meth:`counters` read (kept past ``close``)
+        self.last_pool_counters: dict[str, dict[str, int]] = {}
 
     def kv_get(self, keys, host, prefix_keys):
         n = self.get_v1(keys, host, prefix_keys)
@@ -172,18 +181,36 @@ class FlatCakeV2System(V2System):
         return bool(res) and all(res), self.last_call_s
 
     def pool_counters(self) -> dict[str, dict[str, int]]:
-        """Per pool, its store's cumulative counters (:data:`COUNTER_KEYS`)."""
+        """Per pool, its store's cumulative counters (:data:`COUNTER_KEYS`) now, with hits split
+        by the page's placement as the replay's DRAM/SSD columns are: ``hit_pages_ssd`` also
+        counts the SSD pages read from the write queue's in-memory copy before their round
+        reached the disk, which the store counts apart (``queued_hit_pages``, also reported).
+        Which of the two served an SSD page depends on when the queue's writer thread ran, so
+        only the sum is reproducible; the disk's own reads are ``ssd_read_bytes``/``_ops`` and
+        ``logical_read_bytes_ssd`` (``hit_pages_ssd - queued_hit_pages`` pages)."""
         stats = self.inner.extra_pool_stats()
-        return {n: {k: int(s.get(k, 0)) for k in COUNTER_KEYS} for n, s in stats.items()}
+        out = {}
+        for n, s in stats.items():
+            c = {k: int(s.get(k, 0)) for k in COUNTER_KEYS}
+            c["queued_hit_pages"] = int(s.get("queued_hit_pages", 0))
+            c["hit_pages_ssd"] += c["queued_hit_pages"]
+            out[n] = c
+        return out
 
     def counters(self):
-        """Sums over the pools; each pool's in ``last_pool_counters`` (kept past ``close``)."""
-        tot = dict.fromkeys(COUNTER_KEYS, 0)
+        """Sums over the pools, read once every pool's SSD write queue drained
+        (``FlatCakeStorage.flush_writes``: rounds still queued would be missing from
+        ``ssd_write_bytes``/``logical_write_bytes``) and before ``close``; each pool's in
+        ``last_pool_counters`` (kept past ``close``)."""
+        if not self.inner.flush_writes(self.FLUSH_TIMEOUT_S):
+            log.warning("flatcake: the pools' write queues did not drain in %.0f s; write counters are short",
+                        self.FLUSH_TIMEOUT_S)
         self.last_pool_counters = self.pool_counters()
+        tot: dict[str, int] = {}
         for c in self.last_pool_counters.values():
-            for k in COUNTER_KEYS:
-                tot[k] += c[k]
-        return tot
+            for k, v in c.items():
+                tot[k] = tot.get(k, 0) + v
+        return {**dict.fromkeys(COUNTER_KEYS, 0), **tot}
 
     def medium_summary(self, keys):
         return self.inner.medium_summary(keys)

@@ -103,3 +103,23 @@ def test_logical_anchor_medium_summary_counts_the_pools_pages(make_backend):
     pb = be.extra_pool(C4).layout.geometry.page_bytes, be.extra_pool(SWA).layout.geometry.page_bytes
     assert m.media == ("ssd", "ssd", "ssd", None) and (m.dram_pages, m.ssd_pages) == (0, 3)
     assert m.ssd_bytes == 3 * pb[0] + pb[1]
+
+
+def test_flush_writes_drains_every_pools_write_queue_without_a_kv_store(make_backend):
+    """FlatCakeStorage.flush_writes with a logical anchor (no KV store): the pools' queues drain
+    (it answered False at once before, leaving their rounds queued for whoever read counters)."""
+    dsv4_pool("page_first")
+    be, anchor, c4, swa = logical_backend(make_backend)
+    stores = [be.extra_pool(C4).store, be.extra_pool(SWA).store]
+    keys = [f"fw{i}" for i in range(3)]
+    for s in stores:
+        s.queue.reads_begin()  # a restore in flight: the writers hold every round
+    assert put(be, C4, c4, keys, range(3)) == [True] * 3
+    assert put(be, SWA, swa, keys[2:], [0], prefix=keys[:2]) == [True]
+    assert [s.snapshot_stats()["write_backlog_pages"] for s in stores] == [3, 1]
+    assert not be.flush_writes(0.2)  # still held: not drained in time
+    for s in stores:
+        s.queue.reads_end()
+    assert be.flush_writes(30)
+    st = be.extra_pool_stats()
+    assert [(st[n]["write_backlog_pages"], st[n]["pages_indexed"]) for n in ("deepseek_v4_c4", "swa")] == [(0, 3), (0, 1)]

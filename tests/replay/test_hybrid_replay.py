@@ -66,6 +66,14 @@ def test_hybrid_mooncake_reuses_restored_by_every_pool_where_the_window_was_stor
         assert p["deepseek_v4_c4"]["counters"]["hit_pages_ssd"] + p["deepseek_v4_c4"]["counters"]["hit_pages_dram"] == 40
         assert p["swa"]["counters"]["hit_pages_ssd"] + p["swa"]["counters"]["hit_pages_dram"] == 2
         assert r["logical_write_bytes"] == 40 * (192 + 80) + 4 * 400
+        # the same per pool, whenever the write queue's writer ran: hits by placement (an SSD page
+        # read from the queue's copy is an SSD hit), every round drained before the counters
+        for name, pb, hits, written in (("deepseek_v4_c4", 192, 40, 40), ("deepseek_v4_c4_indexer", 80, 40, 40),
+                                        ("swa", 400, 2, 4)):
+            c = p[name]["counters"]
+            assert c["hit_pages_ssd"] + c["hit_pages_dram"] == hits and c["logical_write_bytes"] == written * pb
+            assert 0 <= c["queued_hit_pages"] <= c["hit_pages_ssd"]
+            assert c["logical_read_bytes_ssd"] == (c["hit_pages_ssd"] - c["queued_hit_pages"]) * pb  # from disk
     assert s["model"]["pools"][0]["page_bytes"] == 192 and s["model"]["page_bytes"] == 272
 
 
