@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -26,7 +27,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import requests
 
@@ -36,6 +37,8 @@ from flatcake.testing.serve_cpu import cpu_server_args, cpu_server_env
 REQUEST_TIMEOUT_S = 180.0
 #: start-up limit (imports, tokenizer, scheduler; 30-40 s alone on 2 cores, more when the suite runs)
 START_TIMEOUT_S = 240.0
+
+_LABEL = re.compile(r'(\w+)="([^"]*)"')
 
 #: the ``dynamic``-backend keys that select FlatCake (``README.md``)
 FLATCAKE_DYNAMIC = {"backend_name": "flatcake", "module_path": "flatcake", "class_name": "FlatCakeStorage",
@@ -266,15 +269,24 @@ def _group_alive(pgid: int) -> bool:
         return True
 
 
-def metric_values(text: str, name: str) -> List[tuple]:
-    """``(labels, value)`` for every sample of metric ``name`` in a Prometheus text page."""
+def metric_samples(text: str, prefix: str = "") -> List[Tuple[str, Dict[str, str], float]]:
+    """``(name, labels, value)`` for every sample in a Prometheus text page whose metric name
+    starts with ``prefix``."""
     out = []
     for line in text.splitlines():
-        if line.startswith("#") or not line.startswith(name):
+        if line.startswith("#") or not line.startswith(prefix):
             continue
         head, _, value = line.rpartition(" ")
-        metric, _, labels = head.partition("{")
-        if metric != name:
-            continue
-        out.append((labels.rstrip("}"), float(value)))
+        name, _, labels = head.partition("{")
+        out.append((name, dict(_LABEL.findall(labels)), float(value)))
     return out
+
+
+def metric_values(text: str, name: str) -> List[Tuple[Dict[str, str], float]]:
+    """``(labels, value)`` for every sample of metric ``name`` in a Prometheus text page."""
+    return [(labels, v) for n, labels, v in metric_samples(text, name) if n == name]
+
+
+def metric_total(text: str, name: str, **labels: str) -> float:
+    """The sum of metric ``name`` over its samples whose labels include ``labels``."""
+    return sum(v for got, v in metric_values(text, name) if all(got.get(k) == x for k, x in labels.items()))

@@ -23,7 +23,8 @@ import requests
 
 from e2e_kit import full_page_tokens, metric_sum, wait_metric
 from flatcake.testing.reference import greedy
-from flatcake.testing.server import REQUEST_TIMEOUT_S, CpuServer, ServerSpec, flatcake_storage
+from flatcake.testing.server import (REQUEST_TIMEOUT_S, CpuServer, ServerSpec, flatcake_storage, metric_samples,
+                                     metric_total)
 from flatcake.testing.tiny_model import prompt_ids
 
 PAGE = 16
@@ -52,23 +53,6 @@ def wait_until(server: CpuServer, what: str, read: Callable[[], float], ok: Call
         value = read()
     assert ok(value), f"{what} = {value} after {timeout_s} s\n{server.log_tail(20)}"
     return value
-
-
-def samples(text: str, prefix: str) -> List[tuple]:
-    """``(name, labels dict, value)`` of every sample whose metric name starts with ``prefix``."""
-    out = []
-    for line in text.splitlines():
-        if line.startswith("#") or not line.startswith(prefix):
-            continue
-        head, _, value = line.rpartition(" ")
-        name, _, labels = head.partition("{")
-        out.append((name, dict(re.findall(r'(\w+)="([^"]*)"', labels)), float(value)))
-    return out
-
-
-def value_of(text: str, name: str, **labels: str) -> float:
-    """The sum of ``name``'s samples whose labels include ``labels``."""
-    return sum(v for n, lab, v in samples(text, name) if n == name and all(lab.get(k) == x for k, x in labels.items()))
 
 
 def served_pages(prompt_tokens: int) -> int:
@@ -210,7 +194,7 @@ def test_runtime_attach_metrics_clear_detach_reattach(tiny_llama, tmp_path, serv
     wait_metric(server, "flatcake_hit_pages_total", ha)
     wait_metric(server, "sglang:prefetch_pgs_sum", ha)
     text = server.metrics()
-    fc = samples(text, "flatcake_")
+    fc = metric_samples(text, "flatcake_")
     shown = "\n".join(line for line in text.splitlines()
                       if line.startswith(("flatcake_", "sglang:prefetch_pgs", "sglang:backup_pgs")))
     assert fc, "no flatcake_* metric on /metrics"
@@ -221,7 +205,7 @@ def test_runtime_attach_metrics_clear_detach_reattach(tiny_llama, tmp_path, serv
     assert f"pool {pool_label} in {pool}" in server.log_text()  # the label names the pool's files
 
     def metric(name: str, **labels: str) -> float:
-        return value_of(text, name, **labels)
+        return metric_total(text, name, **labels)
 
     assert metric("flatcake_pages_written_total") == sa, shown
     assert metric("flatcake_pages_written_total", medium="ssd") == sa, "a one-shot prompt is placed on the SSD\n" + shown
@@ -298,9 +282,9 @@ def test_runtime_attach_metrics_clear_detach_reattach(tiny_llama, tmp_path, serv
     # one pool label throughout; counters monotonic across the re-open (c stored again now)
     wait_metric(server, "flatcake_pages_indexed", sa + sb + sc)
     text = server.metrics()
-    assert {lab["pool"] for _, lab, _ in samples(text, "flatcake_")} == {pool_label}
-    assert value_of(text, "flatcake_pages_indexed") == sa + sb + sc
-    assert value_of(text, "flatcake_pages_written_total") == (sa + sc) + (sa + sb) + sc
+    assert {lab["pool"] for _, lab, _ in metric_samples(text, "flatcake_")} == {pool_label}
+    assert metric_total(text, "flatcake_pages_indexed") == sa + sb + sc
+    assert metric_total(text, "flatcake_pages_written_total") == (sa + sc) + (sa + sb) + sc
 
     r = admin(server, "DELETE", "/hicache/storage-backend")
     assert r.status_code == 200, r.text

@@ -16,7 +16,7 @@ import re
 import time
 
 import pytest
-from e2e_kit import full_page_tokens, wait_metric
+from e2e_kit import backup_flush_again, full_page_tokens, wait_metric
 
 from flatcake.testing.reference import greedy
 from flatcake.testing.server import CpuServer, ServerSpec, flatcake_storage, metric_values
@@ -75,13 +75,13 @@ def model_server(model: str, tmp_path, **kw) -> ServerSpec:
     return ServerSpec(model_path=model, page_size=PAGE, storage=flatcake_storage(tmp_path / "pool"), **kw)
 
 
-def per_rank(server: CpuServer, name: str, where=lambda labels: True) -> dict:
-    """``{tp_rank: value}`` of FlatCake metric ``name`` (summed over the other labels)."""
+def per_rank(server: CpuServer, name: str, **labels: str) -> dict:
+    """``{tp_rank: value}`` of FlatCake metric ``name`` over its samples with ``labels`` (summed
+    over the other labels)."""
     out: dict = {}
-    for labels, value in metric_values(server.metrics(), name):
-        if where(labels):
-            rank = int(re.search(r'tp_rank="(\d+)"', labels).group(1))
-            out[rank] = out.get(rank, 0.0) + value
+    for got, value in metric_values(server.metrics(), name):
+        if all(got.get(k) == x for k, x in labels.items()):
+            out[int(got["tp_rank"])] = out.get(int(got["tp_rank"]), 0.0) + value
     return out
 
 
@@ -95,15 +95,8 @@ def test_mla_model_is_served_from_flatcake_with_the_reference_tokens(tiny_mla, t
     assert re.search(r"per-rank capacity \(tp 0/1 [^)]*, single\)", log), log[-3000:]
     assert f"page {kv_bytes_per_token(MLA) * PAGE} bytes" in log  # 73728
 
-    first = server.generate(ids)
-    assert first.output_ids == expected
-    assert first.storage_tokens == 0
-    wait_metric(server, "flatcake_pages_indexed", STORED // PAGE)
-    server.flush()
-    again = server.generate(ids)
-    assert again.storage_tokens == STORED, again.meta
-    assert again.device_tokens == 0 and again.host_tokens == 0
-    assert again.output_ids == expected  # the restored latents are the bytes the prefill wrote
+    again = backup_flush_again(server, ids, expected, PAGE)  # the restored latents are the bytes the prefill wrote
+    assert again.storage_tokens == STORED
 
 
 @pytest.mark.e2e_full
@@ -134,12 +127,11 @@ def test_mla_tp2_ranks_report_the_same_hits_right_after_a_backup(tiny_mla, tmp_p
 
     # what each rank's batch_exists answered (FlatCake's per-rank counters of SGLang's calls; each
     # rank refreshes them on its own scheduler tick, at most once a second)
-    exists = lambda labels: 'method="batch_exists"' in labels  # noqa: E731
     deadline = time.monotonic() + 60
     while True:
-        calls = per_rank(server, "flatcake_sglang_calls_total", exists)
-        present = per_rank(server, "flatcake_sglang_call_pages_total", lambda l: exists(l) and 'what="present"' in l)
-        asked = per_rank(server, "flatcake_sglang_call_pages_total", lambda l: exists(l) and 'what="asked"' in l)
+        calls = per_rank(server, "flatcake_sglang_calls_total", method="batch_exists")
+        present = per_rank(server, "flatcake_sglang_call_pages_total", method="batch_exists", what="present")
+        asked = per_rank(server, "flatcake_sglang_call_pages_total", method="batch_exists", what="asked")
         if len(calls) == 2 and calls[0] == calls[1] and present.get(0, 0) >= STORED // PAGE:
             break
         assert time.monotonic() < deadline, (calls, asked, present)
@@ -147,8 +139,7 @@ def test_mla_tp2_ranks_report_the_same_hits_right_after_a_backup(tiny_mla, tmp_p
     assert asked[0] == asked[1], (calls, asked, present)
     assert present[0] == present[1] >= STORED // PAGE, (calls, asked, present)
     # both ranks read the pages (the follower from the writer's pool files)
-    delivered = per_rank(server, "flatcake_sglang_call_pages_total",
-                         lambda l: 'method="batch_get_v1"' in l and 'what="delivered"' in l)
+    delivered = per_rank(server, "flatcake_sglang_call_pages_total", method="batch_get_v1", what="delivered")
     assert delivered.get(0) == delivered.get(1) == STORED // PAGE, delivered
 
 

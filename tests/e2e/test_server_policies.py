@@ -48,11 +48,11 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import pytest
 import requests
 
-from e2e_kit import full_page_tokens, wait_metric
+from e2e_kit import assert_from_storage, full_page_tokens, wait_metric
 from flatcake.metrics import REFRESH_S
 from flatcake.testing.reference import greedy
 from flatcake.testing.server import (REQUEST_TIMEOUT_S, CpuServer, Generation, ServerSpec, flatcake_storage,
-                                     metric_values)
+                                     metric_total)
 from flatcake.testing.tiny_model import prompt_ids
 
 pytestmark = pytest.mark.e2e_full
@@ -71,7 +71,7 @@ L3_BACKUP = "sglang:backuped_tokens_total"
 
 def total(server: CpuServer, name: str, text: Optional[str] = None) -> float:
     """The sum of metric ``name`` over its samples (``text``: a ``/metrics`` page already read)."""
-    return sum(v for _, v in metric_values(server.metrics() if text is None else text, name))
+    return metric_total(server.metrics() if text is None else text, name)
 
 
 def wait_backups_drained(server: CpuServer, host_tokens: int, timeout_s: float = 180.0) -> Tuple[float, float]:
@@ -97,24 +97,12 @@ def wait_backups_drained(server: CpuServer, host_tokens: int, timeout_s: float =
 def storage_spec(model: str, workdir: Path, page: int, layout: str, prefetch: str, write: str,
                  max_total_tokens: int = 4096, hicache_ratio: float = 2.0, **storage: object) -> ServerSpec:
     """A FlatCake server spec: a small pool in ``workdir/pool`` (72 MiB pool files for 64-token
-    pages), and ``TMPDIR`` in ``workdir`` (SGLang names its IPC sockets with
-    ``tempfile.NamedTemporaryFile(delete=False)`` and never removes them)."""
+    pages)."""
     if page == 64:
         storage.setdefault("ssd.file_bytes", FILE_BYTES_PAGE64)
-    tmp = workdir / "tmp"
-    tmp.mkdir(parents=True, exist_ok=True)
     return ServerSpec(model_path=model, page_size=page, layout=layout, max_total_tokens=max_total_tokens,
                       hicache_ratio=hicache_ratio, prefetch_policy=prefetch, write_policy=write,
-                      storage=flatcake_storage(workdir / "pool", **storage), env={"TMPDIR": str(tmp)})
-
-
-def assert_from_storage(g: Generation, page: int, expected: List[int], what: str) -> None:
-    """After a flush (or eviction from both tiers): every full page of the prompt from storage,
-    nothing from device or host, and the reference tokens."""
-    stored = full_page_tokens(g.prompt_tokens, page)
-    assert (g.device_tokens, g.host_tokens, g.storage_tokens) == (0, 0, stored), f"{what}: {g.meta}"
-    assert g.cached_tokens == stored, f"{what}: {g.meta}"
-    assert g.output_ids == expected, f"{what}: tokens differ from the transformers reference"
+                      storage=flatcake_storage(workdir / "pool", **storage))
 
 
 def flush_check(server: CpuServer, model: str, page: int, seed: int, sends: int = 1) -> Tuple[Generation, List[int]]:

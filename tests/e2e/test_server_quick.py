@@ -11,7 +11,7 @@ tiers, and the same prompt is served from FlatCake with the tokens of the first 
 
 from __future__ import annotations
 
-from e2e_kit import full_page_tokens, metric_sum, wait_metric
+from e2e_kit import backup_flush_again, full_page_tokens, metric_sum, wait_metric
 from flatcake.testing.reference import greedy
 from flatcake.testing.server import ServerSpec, flatcake_storage
 from flatcake.testing.tiny_model import prompt_ids
@@ -31,19 +31,11 @@ def test_launcher_server_serves_flushed_prompt_from_flatcake_and_a_restart_serve
     assert "--hicache-host-memory-mode buffer_only" in log or "buffer_only" in log
     assert "flatcake plugin: FC-MAS lanes drive" in log
 
-    first = server.generate(ids)
-    assert first.output_ids == expected
-    assert first.storage_tokens == 0
-    wait_metric(server, "flatcake_pages_indexed", stored // PAGE)
-    server.flush()
-    again = server.generate(ids)
-    assert again.storage_tokens == stored, again.meta
-    assert again.device_tokens == 0 and again.host_tokens == 0
-    assert again.output_ids == expected
+    again = backup_flush_again(server, ids, expected, PAGE)
+    assert again.storage_tokens == stored
 
     # the plugin's lanes ran the prefetch: it needed SSD pages (a one-shot prompt is placed on SSD)
-    ssd_lane = wait_metric(server, "flatcake_mas_prefetches_total", 1, where=lambda l: 'lane="ssd"' in l)
-    assert ssd_lane >= 1
+    assert wait_metric(server, "flatcake_mas_prefetches_total", 1, lane="ssd") >= 1
     assert metric_sum(server, "flatcake_hit_pages_total") == stored // PAGE
     server.stop()
 

@@ -170,18 +170,12 @@ def server_calls(server: CpuServer) -> Dict[str, dict]:
     """``flatcake_sglang_*`` from ``/metrics``, as ``flatcake_stats()["sglang_calls"]`` gives them."""
     text = server.metrics()
     out: Dict[str, dict] = {m: {"calls": 0} for m in METHODS}
-    for labels, v in metric_values(text, "flatcake_sglang_calls_total"):
-        lab = _labels(labels)
+    for lab, v in metric_values(text, "flatcake_sglang_calls_total"):
         out[lab["method"]]["calls"] += int(v)
-    for labels, v in metric_values(text, "flatcake_sglang_call_pages_total"):
-        lab = _labels(labels)
+    for lab, v in metric_values(text, "flatcake_sglang_call_pages_total"):
         row = out[lab["method"]]
         row[lab["what"]] = row.get(lab["what"], 0) + int(v)
     return out
-
-
-def _labels(text: str) -> Dict[str, str]:
-    return dict((k, v.strip('"')) for k, _, v in (p.partition("=") for p in text.split(",") if p))
 
 
 def delta(after: Dict[str, dict], before: Dict[str, dict]) -> Dict[str, dict]:

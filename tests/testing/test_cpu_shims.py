@@ -127,12 +127,19 @@ import sglang.srt.mem_cache.pool_host.base as base
 assert mha.transfer_kv_direct is cpu_shims.transfer_kv_direct
 assert mha.transfer_kv_per_layer_direct_pf_lf is cpu_shims.transfer_kv_per_layer_direct_pf_lf
 assert base.HostKVCache.__init__.__wrapped__ is not None
+import sglang.srt.mem_cache.pool_host.mla as mla
+assert mla.transfer_kv_all_layer_direct_lf_pf is cpu_shims.transfer_kv_all_layer_direct_lf_pf
+import sglang.srt.models.deepseek_common.attention_backend_handler as handler
+assert "torch_native" in handler.AttentionBackendRegistry._handlers
 s = torch.cpu.Stream(); s.synchronize(); assert s.query() is True
 print("probe ok")
 """
 
 
 def test_install_binds_only_what_sglang_left_unbound_and_keeps_import_error_fallbacks():
+    """In a fresh process: the stand-in's names, SGLang's own fallback for a name it lacks, the
+    copies bound in ``pool_host/mha.py`` and ``mla.py``, unpinned host pools, the CPU stream's
+    no-ops and the ``torch_native`` MLA handler."""
     out = subprocess.run([sys.executable, "-c", _INSTALLED_PROBE], capture_output=True, text=True, timeout=300,
                          env={**__import__("os").environ, "SGLANG_USE_CPU_ENGINE": "1"})
     assert out.returncode == 0 and "probe ok" in out.stdout, out.stderr[-3000:]
