@@ -95,5 +95,7 @@ def test_a_multi_turn_session_whose_hit_rate_rises_keeps_its_ttft(tmp_path, tiny
     hit = [o.l3_pages / o.pages for o in outs]
     assert hit == sorted(hit) and hit[-1] == 28 / 32  # all but the 4 new pages, from turn 2 on
     assert all(o.verify_failures == 0 and o.computed_pages == 4 for o in outs[1:])
-    later = [o.ttft_s for o in outs[1:]]
-    assert max(later) < 1.5 * min(later)  # 256 new tokens' prefill each turn; the restore is small beside it
+    # the modelled part of TTFT (host->HBM load of the restored context + the new tokens' prefill),
+    # deterministic: no timed assertion on the measured storage time (it lives in the benches)
+    later = [o.load_s + o.prefill_s for o in outs[1:]]
+    assert max(later) < 1.5 * min(later)  # 256 new tokens' prefill each turn; loading the restored context is small beside it
