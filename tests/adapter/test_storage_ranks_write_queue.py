@@ -12,6 +12,9 @@ the queue. The real-server check is ``tests/e2e/test_server_models.py`` (TP 2, C
 from __future__ import annotations
 
 import logging
+import threading
+
+import pytest
 
 from flatcake_testkit import page_matches, slots_of, write_pages
 
@@ -21,7 +24,11 @@ def test_the_default_config_has_the_write_queue_on(make_backend):
     assert be.cfg.ssd.write_backlog_bytes > 0 and be.store.queue is not None
 
 
-def test_mla_tp2_ranks_agree_on_the_whole_prefix_right_after_the_writer_backup_returns(make_backend, caplog):
+@pytest.mark.parametrize("reads_running", [False, True])
+def test_mla_tp2_ranks_agree_on_the_whole_prefix_right_after_the_writer_backup_returns(make_backend, caplog,
+                                                                                        reads_running):
+    """``reads_running``: the writer restores its first pages over and over (as the FC-MAS lanes
+    would) while the second backup runs and the ranks are asked."""
     with caplog.at_level(logging.INFO, logger="flatcake.store"):
         w, wpool = make_backend(mla=True, tp_rank=0, tp_size=2)
     f, fpool = make_backend(mla=True, tp_rank=1, tp_size=2)
@@ -34,8 +41,25 @@ def test_mla_tp2_ranks_agree_on_the_whole_prefix_right_after_the_writer_backup_r
     assert write_pages(w, wpool, keys[:4], range(4)) == [True] * 4
     # no wait, no flush: what SGLang's next hit query on each rank would see
     assert (w.batch_exists(keys[:4]), f.batch_exists(keys[:4])) == (4, 4)
-    assert write_pages(w, wpool, keys[4:], range(4, 6), prefix=keys[:4]) == [True] * 2
-    assert (w.batch_exists(keys), f.batch_exists(keys)) == (6, 6)
+    stop, reads = threading.Event(), []
+
+    def restore_loop():
+        while not stop.is_set():
+            reads.append(w.batch_get_v1(keys[:4], slots_of(wpool, range(30, 34))))
+
+    reader = threading.Thread(target=restore_loop) if reads_running else None
+    if reader is not None:
+        reader.start()
+        while not reads:  # a restore has run; more are running
+            stop.wait(0.001)
+    try:
+        assert write_pages(w, wpool, keys[4:], range(4, 6), prefix=keys[:4]) == [True] * 2
+        assert (w.batch_exists(keys), f.batch_exists(keys)) == (6, 6)
+    finally:
+        stop.set()
+        if reader is not None:
+            reader.join()
+    assert all(r == [True] * 4 for r in reads)
     assert w.flush_writes(1.0)  # nothing was left behind in a queue
     assert w.store.snapshot_stats()["write_backlog_pages"] == 0
 
