@@ -7,7 +7,7 @@ set the bytes per token independently of the compute, so pages are as large as a
 per layer (the default MHA: 4 KV heads × head_dim 128 × fp32 = 2 KiB per layer for K and again for V,
 8 KiB per token over 2 layers; a 16-token page is 128 KiB).
 
-Kinds (``build(kind, path)``):
+Kinds (``build(path, TinyModelSpec(kind=...))``):
 
 * ``llama`` — MHA (``LlamaForCausalLM``);
 * ``qwen2`` — MHA (``Qwen2ForCausalLM``, biases on q/k/v);
