@@ -142,6 +142,7 @@ class CpuServer:
         self.proc: Optional[subprocess.Popen] = None
         self.log_path = self.workdir / f"{name}.log"
         self.prom_dir = self.workdir / f"{name}-prometheus"
+        self.tmp_dir = self.workdir / f"{name}-tmp"
 
     @property
     def url(self) -> str:
@@ -155,7 +156,7 @@ class CpuServer:
             stale.unlink()
         self.port = free_port()
         env = cpu_server_env()
-        tmp = self.workdir / f"{self.name}-tmp"  # SGLang leaves its IPC socket files in $TMPDIR
+        tmp = self.tmp_dir  # SGLang leaves its IPC socket files in $TMPDIR
         tmp.mkdir(exist_ok=True)
         env.update({"PROMETHEUS_MULTIPROC_DIR": str(self.prom_dir), "PYTHONUNBUFFERED": "1",
                     "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "TMPDIR": str(tmp)})
@@ -184,10 +185,12 @@ class CpuServer:
 
     def stop(self, grace_s: float = 15.0) -> None:
         """SIGTERM the main process (SGLang then SIGKILLs its scheduler), wait ``grace_s``, then
-        SIGKILL whatever is left of the process group."""
+        SIGKILL whatever is left of the process group, and remove the ``/dev/shm`` files its
+        processes had open (:meth:`_shared_memory_in_use`)."""
         if self.proc is None:
             return
         pgid = self.proc.pid
+        shared = self._shared_memory_in_use()
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
@@ -204,6 +207,35 @@ class CpuServer:
         while _group_alive(pgid) and time.monotonic() < deadline:
             time.sleep(0.2)
         self.proc = None
+        self._unlink(shared)
+
+    def _shared_memory_in_use(self) -> set:
+        """``/dev/shm`` files the server's processes (its process group) have open or mapped now:
+        SGLang's load snapshot, its ``sgl_shm_*`` queues, multiprocessing semaphores."""
+        pgid, found = self.proc.pid, set()
+        for proc in Path("/proc").iterdir():
+            if not proc.name.isdigit():
+                continue
+            try:
+                if int((proc / "stat").read_text().rsplit(")", 1)[1].split()[2]) != pgid:
+                    continue
+                paths = [os.readlink(fd) for fd in (proc / "fd").iterdir()]
+                paths += [line.split(None, 5)[5] for line in (proc / "maps").read_text().splitlines()
+                          if len(line.split(None, 5)) == 6]
+            except (OSError, IndexError, ValueError):
+                continue
+            found.update(p.replace(" (deleted)", "") for p in paths if p.startswith("/dev/shm/"))
+        return found
+
+    @staticmethod
+    def _unlink(paths: set) -> None:
+        """Remove ``/dev/shm`` files the killed processes could not unlink themselves (SGLang
+        SIGKILLs its scheduler; its own sweep, ``utils/stale_shm_cleanup.py``, runs only in its CI)."""
+        for path in paths:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
 
     def __enter__(self) -> "CpuServer":
         return self.start().wait_ready()
@@ -267,6 +299,7 @@ def _group_alive(pgid: int) -> bool:
         return False
     except PermissionError:
         return True
+
 
 
 def metric_samples(text: str, prefix: str = "") -> List[Tuple[str, Dict[str, str], float]]:
