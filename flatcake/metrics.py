@@ -36,7 +36,7 @@ REFRESH_S = 1.0
 #: the states a medium reports (``flatcake_medium_state``)
 MEDIUM_STATES = ("healthy", "degraded", "disabled")
 #: the backend methods whose SGLang calls are counted (``flatcake_sglang_*``), each with the
-#: ``what`` label of its answer (``flatcake.adapter.storage.CALL_ANSWERS``)
+#: ``what`` label of its answer (counted by ``flatcake.adapter.storage.CallCounters``)
 SGLANG_METHODS = {"batch_exists": "present", "batch_get_v1": "delivered", "batch_set_v1": "stored",
                   "batch_get": "delivered", "batch_set": "stored", "exists": "present", "get": "delivered",
                   "set": "stored"}

@@ -79,13 +79,8 @@ def _prefix(extra_info: Optional[HiCacheStorageExtraInfo]) -> Optional[list]:
     return extra_info.prefix_keys if extra_info is not None else None
 
 
-#: the methods :class:`CallCounters` counts, and what each one's answer is (the ``what`` label of
-#: ``flatcake_sglang_call_pages_total`` beside ``asked``)
-CALL_ANSWERS = SGLANG_METHODS
-
-
 class CallCounters:
-    """Calls SGLang made into the backend, per method of :data:`CALL_ANSWERS`: ``calls``,
+    """Calls SGLang made into the backend, per method of :data:`flatcake.metrics.SGLANG_METHODS`: ``calls``,
     ``asked`` (keys / pages passed in) and the answer (``present``: the leading run
     ``batch_exists`` reported; ``delivered``: pages read into the host pool; ``stored``: pages
     the call reported stored, keys already held included). Three integer adds under a lock per
@@ -93,7 +88,7 @@ class CallCounters:
 
     def __init__(self):
         self._lock = threading.Lock()
-        self._c = {m: [0, 0, 0] for m in CALL_ANSWERS}
+        self._c = {m: [0, 0, 0] for m in SGLANG_METHODS}
 
     def note(self, method: str, asked: int, answered: int) -> None:
         with self._lock:
@@ -105,7 +100,7 @@ class CallCounters:
     def snapshot(self) -> dict:
         """``{method: {"calls": n, "asked": pages, <answer>: pages}}`` for every method."""
         with self._lock:
-            return {m: {"calls": c[0], "asked": c[1], CALL_ANSWERS[m]: c[2]} for m, c in self._c.items()}
+            return {m: {"calls": c[0], "asked": c[1], SGLANG_METHODS[m]: c[2]} for m, c in self._c.items()}
 
 
 class FlatCakeStorage(HybridPoolsMixin, HiCacheStorage):

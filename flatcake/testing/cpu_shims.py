@@ -113,7 +113,8 @@ def transfer_kv_all_layer_direct_lf_pf(src_ptrs: Sequence[torch.Tensor], dst_ptr
             dst[dst_pages, layer] = rows.reshape(dst_pages.numel(), page_size, *rows.shape[1:]).to(dst.device)
 
 
-_MHA_DIRECT = {
+#: shim 4: the direct-io copy of each name SGLang binds from sgl-kernel (``pool_host/mha.py``, ``mla.py``)
+DIRECT_COPIES = {
     "transfer_kv_direct": transfer_kv_direct,
     "transfer_kv_per_layer_direct_pf_lf": transfer_kv_per_layer_direct_pf_lf,
     "transfer_kv_all_layer_direct_lf_pf": transfer_kv_all_layer_direct_lf_pf,
@@ -216,7 +217,7 @@ def _patch_mha(module) -> List[str]:
     """Shim 4: bind the direct-io copies where ``pool_host/mha.py`` (or ``pool_host/mla.py``: the same
     three names, one latent buffer instead of K and V) bound nothing."""
     bound = []
-    for name, fn in _MHA_DIRECT.items():
+    for name, fn in DIRECT_COPIES.items():
         if not hasattr(module, name):
             setattr(module, name, fn)
             bound.append(name)

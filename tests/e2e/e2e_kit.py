@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from typing import List
 
+from flatcake.replay.engine import reusable_pages
 from flatcake.testing.server import CpuServer, Generation, metric_total
 
 
@@ -36,7 +37,7 @@ def wait_metric(server: CpuServer, name: str, at_least: float, timeout_s: float 
 def full_page_tokens(prompt_tokens: int, page_size: int) -> int:
     """Tokens of the full pages SGLang can serve from a cache for a prompt of ``prompt_tokens``
     (it matches at most ``prompt_tokens - 1`` tokens, in whole pages)."""
-    return (prompt_tokens - 1) // page_size * page_size
+    return reusable_pages(prompt_tokens // page_size, prompt_tokens, page_size) * page_size
 
 
 def assert_from_storage(g: Generation, page: int, expected: List[int], what: str = "") -> None:

@@ -43,7 +43,7 @@ def bound_copies(monkeypatch):
     ensure_importable()
     import sglang.srt.mem_cache.pool_host.mha as mha
 
-    for name, fn in cpu_shims._MHA_DIRECT.items():
+    for name, fn in cpu_shims.DIRECT_COPIES.items():
         monkeypatch.setattr(mha, name, fn, raising=False)
 
 
