@@ -12,7 +12,7 @@ TORCH_PIP_ARGS ?=
 STAMP := $(VENV)/.flatcake-installed
 SOAK_SECONDS ?= 30
 
-.PHONY: venv demo test e2e soak bench bench-sweep bench-write bench-gil results results-quick clean
+.PHONY: venv fio demo test e2e soak bench bench-sweep bench-write bench-gil results results-quick clean
 
 venv: $(STAMP)
 
@@ -39,36 +39,40 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q -c constraints-cpu.txt $$($(VPY) -c 'import tomllib; print(" ".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["cluster"]))')
 	touch $(STAMP)
 
+# Debian's fio: the disk's own limit that every bench reports against (scripts/fio_limit.py)
+fio:
+	@command -v fio >/dev/null || { apt-get install -y -q fio >/dev/null || (apt-get update -q && apt-get install -y -q fio); }
+
 demo: venv
 	$(VPY) scripts/replay_trace.py --config configs/demo.yaml --out runs/demo
 
-test: venv
+test: venv fio
 	TRITON_INTERPRET=1 $(VPY) -m pytest -q tests
 
 # every real-server scenario (tests/e2e/, docs/real-server.md); `make test` runs the quick ones
 e2e: venv
 	FLATCAKE_E2E=all TRITON_INTERPRET=1 $(VPY) -m pytest -q tests/e2e
 
-results: venv
+results: venv fio
 	$(VPY) scripts/results.py
 
-results-quick: venv
+results-quick: venv fio
 	$(VPY) scripts/results.py --quick
 
 soak: venv
 	$(VPY) scripts/soak.py --seconds $(SOAK_SECONDS) --restarts 2 --json runs/soak/soak.json
 
-bench: venv
+bench: venv fio
 	$(VPY) scripts/bench_restore.py
 
 # docs/performance.md: every page size (1/16/64/256 tokens), layout and MHA/MLA; writes; the GIL
-bench-sweep: venv
+bench-sweep: venv fio
 	$(VPY) scripts/bench_restore.py --sweep --json runs/bench/restore-sweep.json
 
-bench-write: venv
+bench-write: venv fio
 	$(VPY) scripts/bench_write.py --json runs/bench/write.json
 
-bench-gil: venv
+bench-gil: venv fio
 	$(VPY) scripts/bench_gil.py --json runs/bench/gil.json
 
 clean:
