@@ -89,6 +89,28 @@ def ensure_pool_dir(path: str) -> None:
         raise SsdStartupError(f"ssd.path {path!r}: not a writable directory")
 
 
+def check_pool_dir(path: str) -> None:
+    """Check, without creating anything, that ``path`` (an ``ssd.path`` directory) is a writable
+    directory or could be created as one: the nearest existing ancestor must be a writable
+    directory. Bad configuration fails at start-up naming ``ssd.path``; whether a missing drive
+    directory is created is :class:`flatcake.media.ssd.SsdFilePool`'s decision (only for a new
+    pool: a missing directory of an existing pool is a drive that is not mounted).
+
+    Raises:
+        SsdStartupError: ``path`` exists and is not a writable directory, or its nearest
+            existing ancestor is not one.
+    """
+    probe = os.path.abspath(path)
+    while not os.path.lexists(probe):
+        parent = os.path.dirname(probe)
+        if parent == probe:
+            break
+        probe = parent
+    if not os.path.isdir(probe) or not os.access(probe, os.W_OK | os.X_OK):
+        what = "not a writable directory" if probe == os.path.abspath(path) else f"cannot be created: {probe!r} is not a writable directory"
+        raise SsdStartupError(f"ssd.path {path!r}: {what}")
+
+
 def scan(directory: str) -> dict[str, PoolFiles]:
     """Every FlatCake pool prefix in ``directory`` with its files (one ``listdir`` of the
     directory, which holds a few files per pool, never one per page)."""

@@ -48,7 +48,7 @@ from flatcake.errorlog import ErrorLog
 from flatcake.media import pool_dir
 from flatcake.media.errors import PoolFileGone, ShortWrite, SsdStartupError, StaleGeneration
 from flatcake.media.drives import Drive, drive_of, drives_used, files_on, misplaced
-from flatcake.media.pool_dir import ensure_pool_dir
+from flatcake.media.pool_dir import check_pool_dir, ensure_pool_dir
 from flatcake.media.pool_faults import PoolFileFaults
 from flatcake.media.directio import probe_direct_io
 from flatcake.media.extent import namespace_digest
@@ -122,21 +122,56 @@ class SsdFilePool(PoolFileFaults):
         self._next_drive = 0  # drive of the next new scope's first extent (round-robin)
         self._forget_listeners: list = []  # fn(file_index): readers' cached fds of a file to drop
         self.removed_stale_pools: list[str] = []
+        #: drives whose directory was missing at start-up for an existing pool (not mounted):
+        #: out of service, never created (issue 24 item 5)
+        self.missing_at_start: list[int] = self._missing_drives() if not follower else []
         for drive in self.drives:  # every drive, naming the one that fails
-            ensure_pool_dir(drive.path)
-        self.direct_io = self._probe(cfg, [d.path for d in self.drives])
+            if follower or drive.index in self.missing_at_start:
+                check_pool_dir(drive.path)  # a follower creates nothing
+            else:
+                ensure_pool_dir(drive.path)
+        present = [d.path for d in self.drives if os.path.isdir(d.path)]
+        self.direct_io = self._probe(cfg, present) if present else cfg.direct_io != "off"
         if follower:  # reads the writer's files; creates and locks nothing
             return
         try:
             self._take_writer_lock()
             self._open_existing()
             for d in range(self.n_drives):  # fail now, not at the first write: the first file of each drive
-                if d not in self._free:
+                if d not in self._free and d not in self.missing_at_start:
                     self._make_room(self.file_bytes, d)
                     self._open_file(d, create=True)
         except BaseException:
             self.close()
             raise
+
+    def _missing_drives(self) -> list[int]:
+        """The drives whose directory is missing while another drive holds this pool's files (an
+        existing pool: a drive that did not come back after a reboot, or is not mounted). Each is
+        out of service with a WARNING, as a drive whose directory goes away at run time, and is
+        never created: creating it would fill whatever file system lies beneath the mount point,
+        which the operator did not configure. It comes back once its directory is there again
+        (:meth:`Drive.may_create`). A new pool (no drive holds any of its files) creates every
+        directory; with one drive a missing directory is a new pool (nothing else tells them apart).
+
+        Raises:
+            SsdStartupError: the first drive (which holds the pool journal) is the missing one.
+        """
+        present = {d.index for d in self.drives if os.path.isdir(d.path)}
+        if len(present) == self.n_drives or not any(self.prefix in pool_dir.scan(self.drives[i].path) for i in present):
+            return []
+        missing = sorted(set(range(self.n_drives)) - present)
+        if 0 in missing:
+            raise SsdStartupError(
+                f"ssd.path {self.drives[0].path!r}: missing, and it is the first drive, which holds the journal of "
+                f"pool {self.prefix} whose files are on {', '.join(self.drives[i].path for i in sorted(present))}: "
+                "mount it (FlatCake does not create a drive directory of an existing pool)")
+        for i in missing:
+            self.drives[i].block_creation()  # may_create() then waits for the directory
+            log.warning("flatcake: ssd.path %r is missing at start-up while the other drives hold pool %s (a drive "
+                        "not mounted?): out of service until it is back; FlatCake does not create it",
+                        self.drives[i].path, self.prefix)
+        return missing
 
     @staticmethod
     def _probe(cfg: SsdConfig, paths: list[str]) -> bool:
@@ -157,6 +192,8 @@ class SsdFilePool(PoolFileFaults):
         sharing a drive sees this one live there (never deleted as stale). Taken in path order, so
         two processes listing the drives in different orders cannot each hold half."""
         for drive in sorted(self.drives, key=lambda d: d.path):
+            if drive.index in self.missing_at_start:
+                continue  # not mounted: nothing of this pool can be written there
             self._lock_fds.append(pool_dir.take_writer_lock(drive.path, self.prefix))
 
     def _open_existing(self) -> None:

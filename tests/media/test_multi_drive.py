@@ -386,3 +386,62 @@ def test_with_the_write_queue_rounds_still_alternate_and_a_deferred_fault_takes_
     assert served(store, pool, lay, keys) == [True, True, False, False] * 2
     assert {drive_dir_of(store, k) for k in keys[0:2] + keys[4:6]} == {drives[0]}
     store.close()
+
+
+# --------------------------------------------------------------- a drive not mounted at start-up (issue 24 item 5)
+def test_a_drive_missing_at_start_up_of_an_existing_pool_is_out_of_service_and_never_created(drives, caplog, monkeypatch):
+    from flatcake.media import drives as drives_mod
+
+    store, pool, lay = open_store(drives[:2])
+    keys = put_session(store, pool, lay, "s", rounds=4)
+    on_d0 = [drive_dir_of(store, k) == drives[0] for k in keys]
+    assert on_d0 == [True, True, False, False, True, True, False, False]
+    store.close()
+    shutil.rmtree(drives[1])  # the drive did not come back after the reboot
+    store, pool, lay = open_store(drives[:2])
+    assert not os.path.exists(drives[1])  # not recreated on the file system beneath
+    assert store.ssd.missing_at_start == [1]
+    assert any(f"ssd.path {drives[1]!r} is missing at start-up" in r.getMessage() for r in caplog.records)
+    st = store.snapshot_stats()["media"]["ssd"]
+    assert [d["state"] for d in st["drives"]] == ["healthy", "disabled"]
+    assert served(store, pool, lay, keys) == on_d0  # drive 0's rounds keep serving, bit-exact
+    new = put_session(store, pool, lay, "n", rounds=3, first_page=20)
+    assert {drive_dir_of(store, k) for k in new} == {drives[0]} and not os.path.exists(drives[1])
+    # the drive is mounted again: it takes new files once it is back
+    monkeypatch.setattr(drives_mod, "CREATE_RETRY_CHECK_S", 0.0)
+    os.makedirs(drives[1])
+    more = put_session(store, pool, lay, "m", rounds=4, first_page=30)
+    assert drives[1] in {drive_dir_of(store, k) for k in more}
+    assert served(store, pool, lay, more) == [True] * 8
+    store.close()
+
+
+def test_the_journal_drive_missing_at_start_up_of_an_existing_pool_fails_naming_it(drives):
+    store, pool, lay = open_store(drives[:2])
+    put_session(store, pool, lay, "s", rounds=2)
+    store.close()
+    before = sorted(os.listdir(drives[1]))
+    shutil.rmtree(drives[0])
+    with pytest.raises(Exception) as ei:
+        open_store(drives[:2])
+    assert f"ssd.path {drives[0]!r}: missing, and it is the first drive" in str(ei.value)
+    assert not os.path.exists(drives[0]) and sorted(os.listdir(drives[1])) == before
+
+
+def test_a_new_pool_creates_its_missing_drive_directories(drives):
+    os.makedirs(drives[0])
+    store, pool, lay = open_store(drives[:2])  # nothing of this pool anywhere: a new pool
+    assert store.ssd.missing_at_start == [] and os.path.isdir(drives[1]) and len(pool_files(drives[1])) == 1
+    store.close()
+
+
+def test_check_pool_dir_creates_nothing_and_names_a_bad_path(tmp_path):
+    from flatcake.media.errors import SsdStartupError
+
+    pool_dir.check_pool_dir(str(tmp_path / "a" / "b"))
+    assert not (tmp_path / "a").exists()
+    (tmp_path / "f").write_bytes(b"x")
+    with pytest.raises(SsdStartupError, match=r"ssd.path '.*/f/fc': cannot be created"):
+        pool_dir.check_pool_dir(str(tmp_path / "f" / "fc"))
+    with pytest.raises(SsdStartupError, match="not a writable directory"):
+        pool_dir.check_pool_dir(str(tmp_path / "f"))
