@@ -30,10 +30,11 @@ relative to ``CUDA_VISIBLE_DEVICES``, and CPU processes have none.
 MLA follower ranks (:mod:`flatcake.gva.mirror`) open their writer's pool read-only and take no
 lock; the writer records its :func:`group_key` (the server it belongs to) in its lock file
 (:func:`flatcake.media.pool_dir.write_lock_tag`), and a follower takes the lowest slot whose live
-writer has its own group key, waiting up to :data:`FOLLOWER_WAIT_S` for it to appear (longer,
-up to the follower grace period, while a live writer of the namespace is still opening its pool
-and has recorded no group yet), else slot 0 (a follower that still cannot see its writer says so
-once: :mod:`flatcake.gva.journal`).
+writer has its own group key, waiting for it to appear for up to :data:`FOLLOWER_WAIT_S`
+(however long its writer's start-up takes: a large journal replay; a log line every
+:data:`FOLLOWER_LOG_EVERY_S` while it waits). A follower never reads another server's pool: when
+no writer of its group appears, it opens no pool (:data:`UNIDENTIFIED_SLOT`: every lookup a
+miss) and says so in an ERROR and in its start-up line.
 
 ``ssd.path`` templates: ``{tp_rank}``, ``{pp_rank}``, ``{dp_rank}`` in each entry are filled per
 rank before the directory is created (:func:`expand_ssd_paths`).
@@ -49,7 +50,6 @@ from dataclasses import dataclass
 from typing import Optional
 
 from flatcake.config import ConfigError, FlatCakeConfig, path_placeholders
-from flatcake.gva import journal
 from flatcake.media import pool_dir
 from flatcake.media.errors import SsdStartupError
 
@@ -58,9 +58,16 @@ log = logging.getLogger("flatcake")
 #: slots a writer tries before giving up (processes of one namespace and DP rank per directory)
 MAX_SLOTS = 64
 
-#: seconds an MLA follower rank waits at start-up for a live writer of its group to appear
-#: (bounded by :data:`flatcake.gva.journal.FOLLOWER_GRACE_S`); then it takes slot 0
-FOLLOWER_WAIT_S = 5.0
+#: seconds an MLA follower rank waits at start-up for the live writer of its own group (its
+#: server's writer rank) to appear; then it opens no pool (:data:`UNIDENTIFIED_SLOT`). Waiting
+#: cannot deadlock SGLang: every rank builds its storage backend before the controller's first
+#: collective, and the writer records its group once its pool is open.
+FOLLOWER_WAIT_S = 300.0
+#: seconds between two "still waiting for its writer" log lines of a follower
+FOLLOWER_LOG_EVERY_S = 10.0
+#: the slot of a follower that found no writer of its group: a pool name no writer uses, so the
+#: follower reads nothing (every lookup a miss) instead of another server's pool
+UNIDENTIFIED_SLOT = -1
 
 _POLL_S = 0.05
 
@@ -81,11 +88,22 @@ class PoolIdentity:
 
     @property
     def instance(self) -> str:
-        """The pool-name component (:class:`flatcake.media.ssd.SsdFilePool`'s ``instance``)."""
+        """The pool-name component (:class:`flatcake.media.ssd.SsdFilePool`'s ``instance``);
+        ``{base}-unidentified-{pid}`` for :data:`UNIDENTIFIED_SLOT` (no pool has that name)."""
+        if self.slot == UNIDENTIFIED_SLOT:
+            return f"{self.base}-unidentified-{os.getpid()}"
         return self.base if self.slot == 0 else f"{self.base}-s{self.slot}"
 
+    @property
+    def identified(self) -> bool:
+        """False for a follower that found no writer of its server (it serves misses)."""
+        return self.slot != UNIDENTIFIED_SLOT
+
     def describe(self) -> str:
-        """For the start-up line: ``dp0 slot 1`` or ``dp0-id=a (ssd.pool_id)``."""
+        """For the start-up line: ``dp0 slot 1``, ``dp0-id=a (ssd.pool_id)`` or ``dp0 (no writer
+        of this server found: misses)``."""
+        if not self.identified:
+            return f"{self.base} (no writer of this server found: misses)"
         return f"{self.base} (ssd.pool_id)" if self.explicit else f"{self.base} slot {self.slot}"
 
 
@@ -230,27 +248,25 @@ def open_writer(open_store, cfg: FlatCakeConfig, namespace: str, ident: PoolIden
                           "are held by other FlatCake processes; give servers their own ssd.path")
 
 
-def find_writer_slot(directory: str, namespace: str, ident: PoolIdentity, group: str, wait_s: float,
-                     pending_wait_s: float = 0.0) -> int:
+def find_writer_slot(directory: str, namespace: str, ident: PoolIdentity, group: str, wait_s: float) -> Optional[int]:
     """The slot of the live writer pool whose lock records ``group`` (an MLA follower's own
-    server), polling every 50 ms for up to ``wait_s`` seconds — up to ``pending_wait_s`` while a
-    live pool of this namespace has no tag yet (its writer is still opening it: the tag is
-    written once the pool is open, after the journal replay); 0 when none appears."""
-    start = time.monotonic()
+    server), polling every 50 ms for up to ``wait_s`` seconds and logging every
+    :data:`FOLLOWER_LOG_EVERY_S` while none has appeared; ``None`` when none appeared (the
+    follower must then read no pool: slot 0 may be another server's)."""
+    start = last_log = time.monotonic()
     while True:
         present = pool_dir.scan(directory)
-        pending = False
         for slot in range(MAX_SLOTS):
             prefix = pool_dir.pool_prefix(namespace, PoolIdentity(ident.base, slot).instance)
-            if prefix not in present or not pool_dir.is_live(directory, prefix):
-                continue
-            tag = pool_dir.read_lock_tag(directory, prefix)
-            if tag == group:
+            if prefix in present and pool_dir.is_live(directory, prefix) and pool_dir.read_lock_tag(directory, prefix) == group:
                 return slot
-            pending = pending or tag is None
-        waited = time.monotonic() - start
-        if waited >= wait_s and not (pending and waited < pending_wait_s):
-            return 0
+        now = time.monotonic()
+        if now - start >= wait_s:
+            return None
+        if now - last_log >= FOLLOWER_LOG_EVERY_S:
+            last_log = now
+            log.info("flatcake: follower rank (%s) waiting %.0f s so far for its writer rank's pool in %s "
+                     "(group %s)", ident.base, now - start, directory, group)
         time.sleep(_POLL_S)
 
 
@@ -269,7 +285,12 @@ def open_pool(open_store, cfg: FlatCakeConfig, namespace: str, ident: PoolIdenti
     if role != "follower":
         return open_writer(open_store, cfg, namespace, ident, group)
     if not ident.explicit:
-        grace = journal.FOLLOWER_GRACE_S
-        slot = find_writer_slot(cfg.ssd.path, namespace, ident, group, min(FOLLOWER_WAIT_S, grace), grace)
+        slot = find_writer_slot(cfg.ssd.path, namespace, ident, group, FOLLOWER_WAIT_S)
+        if slot is None:
+            log.error("flatcake: follower rank (%s) found no writer pool of its server (group %s) in %s after %.0f s; "
+                      "it reads no pool and answers every lookup with a miss (never another server's pool). "
+                      "Set ssd.pool_id on every rank to name the pool", ident.base, group, cfg.ssd.path,
+                      FOLLOWER_WAIT_S)
+            slot = UNIDENTIFIED_SLOT
         ident = PoolIdentity(ident.base, slot)
     return open_store(ident.instance), ident

@@ -176,8 +176,10 @@ def follower_warnings(caplog) -> list[str]:
 def test_a_follower_that_cannot_see_its_writer_warns_once_after_the_grace_period(make_backend, monkeypatch, caplog):
     """MLA with TP over two hosts: the writer's pool is on the other host's disk."""
     monkeypatch.setattr(journal, "FOLLOWER_GRACE_S", 0.0)  # a short grace: no sleep in the test
+    monkeypatch.setattr(identity, "FOLLOWER_WAIT_S", 0.1)  # its writer never appears here
     caplog.set_level(logging.INFO, logger="flatcake")
     f, fpool = make_backend(mla=True, tp_rank=1, tp_size=2)
+    assert not f.identity.identified
     assert follower_warnings(caplog) == []  # not before the first hit query
     assert f.batch_exists(keys_of("x")) == 0
     assert f.batch_exists(keys_of("y")) == 0
@@ -252,27 +254,62 @@ def test_drive_entries_that_expand_to_one_directory_are_refused(tmp_path):
         identity.expand_ssd_paths(cfg, {"tp_rank": 0, "pp_rank": 0, "dp_rank": 0})
 
 
-def test_a_follower_waits_for_a_writer_still_opening_its_pool(ssd_dir, monkeypatch):
-    """A live pool without a group tag yet (its writer is replaying its journal) keeps the
-    follower looking; once the tag is written the follower takes that slot."""
+def test_a_follower_waits_for_its_own_writer_and_never_takes_another_servers_slot(ssd_dir, monkeypatch, caplog):
+    """Slot 0 is another server's live writer; this follower's writer (slot 1) records its
+    group only at the 300th poll (15 s of a start-up): the follower waits for it, logging while
+    it waits, and takes slot 1; a follower whose writer never appears gets no slot (None)."""
+    import logging
+
+    caplog.set_level(logging.INFO, logger="flatcake")
     ident = identity.PoolIdentity("dp0")
     other = pool_dir.take_writer_lock(ssd_dir, pool_dir.pool_prefix("ns", "dp0"))  # slot 0: another server
-    mine = pool_dir.take_writer_lock(ssd_dir, pool_dir.pool_prefix("ns", "dp0-s1"))  # slot 1: still opening
     pool_dir.write_lock_tag(ssd_dir, pool_dir.pool_prefix("ns", "dp0"), "A")
-    for prefix in (pool_dir.pool_prefix("ns", "dp0"), pool_dir.pool_prefix("ns", "dp0-s1")):
-        open(os.path.join(ssd_dir, prefix + "-00000.pool"), "wb").close()
+    open(os.path.join(ssd_dir, pool_dir.pool_prefix("ns", "dp0") + "-00000.pool"), "wb").close()
+    clock = [0.0]
     polls = []
+    mine = []
 
-    def sleep(s):  # the writer of slot 1 records its group at the third poll
+    def sleep(s):  # a fake clock: each poll advances it by its 50 ms
         polls.append(s)
-        if len(polls) == 3:
-            pool_dir.write_lock_tag(ssd_dir, pool_dir.pool_prefix("ns", "dp0-s1"), "B")
+        clock[0] += s
+        if len(polls) == 300:  # the writer of slot 1 starts and opens its pool
+            prefix = pool_dir.pool_prefix("ns", "dp0-s1")
+            mine.append(pool_dir.take_writer_lock(ssd_dir, prefix))
+            open(os.path.join(ssd_dir, prefix + "-00000.pool"), "wb").close()
+            pool_dir.write_lock_tag(ssd_dir, prefix, "B")
 
     monkeypatch.setattr(identity.time, "sleep", sleep)
+    monkeypatch.setattr(identity.time, "monotonic", lambda: clock[0])
     try:
-        assert identity.find_writer_slot(ssd_dir, "ns", ident, "B", wait_s=0.0, pending_wait_s=60.0) == 1
-        assert len(polls) == 3
-        assert identity.find_writer_slot(ssd_dir, "ns", ident, "C", wait_s=0.0, pending_wait_s=60.0) == 0  # none pending
+        assert identity.find_writer_slot(ssd_dir, "ns", ident, "B", wait_s=600.0) == 1
+        assert len(polls) == 300
+        waits = [r.getMessage() for r in caplog.records if "waiting" in r.getMessage()]
+        assert len(waits) == 1 and "for its writer rank's pool" in waits[0]  # at 10 s of 15
+        polls.clear()
+        assert identity.find_writer_slot(ssd_dir, "ns", ident, "C", wait_s=2.0) is None  # never slot 0
+        assert len(polls) == 40
     finally:
         os.close(other)
-        os.close(mine)
+        for fd in mine:
+            os.close(fd)
+
+
+def test_a_follower_without_its_writer_reads_no_pool_and_says_so(make_backend, tmp_path, monkeypatch, caplog):
+    """Another server's MLA writer holds slot 0 of the directory; a follower rank of a second
+    server whose writer never comes reads nothing of it: every lookup a miss, an ERROR, and its
+    start-up line says so."""
+    import logging
+
+    caplog.set_level(logging.INFO, logger="flatcake")
+    w, wpool = make_backend(mla=True, tp_rank=0, tp_size=2)
+    write_pages(w, wpool, keys_of("m"), range(4))
+    assert w.store.flush_writes(30)
+    monkeypatch.setattr(identity, "FOLLOWER_WAIT_S", 0.2)
+    monkeypatch.setattr(identity, "group_key", lambda: "host=other/ppid=1")  # a second server
+    f, fpool = make_backend(mla=True, tp_rank=1, tp_size=2, extra={"ssd.path": w.cfg.ssd.path})
+    assert f.identity.slot == identity.UNIDENTIFIED_SLOT and not f.identity.identified
+    assert f.batch_exists(keys_of("m")) == 0
+    assert not reads_back(f, fpool, keys_of("m")[:1])
+    assert any(r.levelname == "ERROR" and "found no writer pool of its server" in r.getMessage() for r in caplog.records)
+    assert any("no writer of this server found: misses" in r.getMessage() for r in caplog.records)
+    assert sorted(pool_dir.scan(w.cfg.ssd.path)) == [w.store.ssd.prefix]  # the follower created nothing
