@@ -33,7 +33,8 @@ class StoreStats:
         put_failures, get_failures: rounds that failed to store; reads that stopped early.
         reclaimed_scopes_ssd, reclaimed_scopes_dram: whole scopes freed (reclaim, clear, faults).
         reclaimed_bytes: medium bytes those scopes held.
-        quarantined_scopes: scopes dropped because a page of theirs failed to read intact.
+        quarantined_scopes: scopes that lost pages because a page of theirs failed to read intact.
+        quarantined_pages: pages those failed reads unpublished (:mod:`flatcake.gva.read_faults`).
         queued_rounds: SSD rounds deferred through the write queue (``ssd.write_backlog_bytes``).
         queued_hit_pages: pages delivered from the write queue's in-memory copy.
         write_deferred_s: seconds the queue's writer held writes back while restores were in flight.
@@ -69,6 +70,7 @@ class StoreStats:
     reclaimed_scopes_dram: int = 0
     reclaimed_bytes: int = 0
     quarantined_scopes: int = 0
+    quarantined_pages: int = 0
     queued_rounds: int = 0
     queued_hit_pages: int = 0
     write_deferred_s: float = 0.0

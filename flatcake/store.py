@@ -40,6 +40,7 @@ from flatcake.gate import OperationGate
 from flatcake.gva.address import MEDIUM_NAMES, medium_of
 from flatcake.gva.journal import JournalReader, JournalWriter
 from flatcake.gva.mirror import FollowerMirror
+from flatcake.gva.read_faults import drop_from_failed_round_locked, take_failing_drive_out_locked
 from flatcake.gva.rebuild import RebuildReport, rebuild_locked
 from flatcake.gva.scopes import ScopeTable
 from flatcake.layout import KvPageLayout, PageGeometry
@@ -313,9 +314,12 @@ class PageStore:
 
     def _drop_unreadable(self, entry) -> None:
         """``entry``'s page could not be read intact (file truncated or removed behind the
-        backend, EIO, checksum mismatch): stop advertising its whole scope, so hit queries stop
-        promising pages that every read would miss (freed once its other readers leave), and
-        let the readers reopen its file by path (it may have been replaced)."""
+        backend, EIO, short read, checksum mismatch). An SSD page: unpublish its round and the
+        rounds after it in its scope (the rounds before keep serving) and count the failure
+        against its drive, which goes out of service — only its pages dropped — after
+        :data:`~flatcake.media.pool_faults.READ_FAILURES_OUT` failures in a window
+        (:mod:`flatcake.gva.read_faults`). A DRAM page (its slot holds another page): drop its
+        whole scope. Either way the readers reopen the file by path (it may have been replaced)."""
         f = self.reader.file_of(entry)
         if f >= 0:
             try:
@@ -325,11 +329,19 @@ class PageStore:
         with self.scopes.lock:
             if entry.scope.retired or entry.scope.doomed:
                 return
-            n = len(entry.scope.keys)
-            self.scopes.drop_locked(entry.scope)  # freed now, or when its other readers leave
-        self.stats.add(quarantined_scopes=1)
-        self.errors.report("read", "scope dropped", f"scope {entry.scope.scope_id} ({n} pages) dropped after a "
-                           "failed read; its pages are misses from now on")
+            if f < 0:
+                n = len(entry.scope.keys)
+                self.scopes.drop_locked(entry.scope)  # freed now, or when its other readers leave
+                what = f"scope {entry.scope.scope_id} ({n} pages) dropped"
+            else:
+                n = drop_from_failed_round_locked(self.scopes, entry)
+                what = (f"{n} pages of scope {entry.scope.scope_id} dropped (the failed round and the rounds after it; "
+                        f"{len(entry.scope.keys)} earlier pages keep serving)")
+                if self.ssd.note_read_failure_locked(f):
+                    take_failing_drive_out_locked(self.scopes, f)
+        self.stats.add(quarantined_scopes=1, quarantined_pages=n)
+        self.errors.report("read", "pages dropped", f"{what} after a failed read in {self.ssd.path_of(f) if f >= 0 else 'DRAM'}; "
+                           "those pages are misses from now on")
 
     # ================================================================ writes
     def put(self, keys: Sequence[str], layout: KvPageLayout, page_ids: Sequence[int],

@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 log = logging.getLogger("flatcake.ssd")
@@ -43,12 +43,17 @@ class Drive:
         path: the directory.
         create_blocked_at: ``time.monotonic()`` of the last failed file creation on it (0: none).
         create_checked_at: ``time.monotonic()`` of the last check for room since then.
+        read_failures: reads of its files that failed since start-up.
+        recent_read_failures: ``time.monotonic()`` of its recent failed reads (the window of
+            :data:`flatcake.media.pool_faults.READ_FAILURES_OUT`).
     """
 
     index: int
     path: str
     create_blocked_at: float = 0.0
     create_checked_at: float = 0.0
+    read_failures: int = 0
+    recent_read_failures: list = field(default_factory=list)
 
     def may_create(self, file_bytes: int) -> bool:
         """Whether to try creating a pool file of ``file_bytes`` on this drive now: always, unless

@@ -303,6 +303,10 @@ def rewrite_first_block(path: str, file_bytes: int) -> None:
     try:
         if os.fstat(fd).st_size < file_bytes:
             raise PoolFileGone(errno.ENOENT, "pool file was truncated", path)
+        try:  # read the disk, not a cached copy: the probe of a drive that failed reads
+            os.posix_fadvise(fd, 0, 4096, os.POSIX_FADV_DONTNEED)
+        except OSError:
+            pass
         block = os.pread(fd, 4096, 0)
         if os.pwrite(fd, block, 0) != len(block):
             raise ShortWrite(errno.EIO, "short write", path)

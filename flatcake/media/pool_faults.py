@@ -37,6 +37,10 @@ log = logging.getLogger("flatcake.ssd")
 #: seconds before a pool file taken out of service is tried again (a non-destructive rewrite of
 #: its first block); it comes back empty (its scopes were dropped)
 OUT_OF_SERVICE_RETRY_S = 60.0
+#: failed reads (EIO, short read, checksum mismatch) of one drive within
+#: :data:`READ_FAILURE_WINDOW_S` that take it out of service (:meth:`PoolFileFaults.note_read_failure_locked`)
+READ_FAILURES_OUT = 3
+READ_FAILURE_WINDOW_S = 60.0
 
 
 class PoolFileFaults:
@@ -101,6 +105,20 @@ class PoolFileFaults:
                 fn(file_index)
             except Exception as e:  # noqa: BLE001 - a reader's cache never breaks fault handling
                 self.errors("forget file", e)
+
+    def note_read_failure_locked(self, file_index: int) -> bool:
+        """A read of pool file ``file_index`` failed: count it against its drive. Returns True when
+        the drive has failed :data:`READ_FAILURES_OUT` reads within :data:`READ_FAILURE_WINDOW_S`
+        seconds and is still in service (the caller takes it out, dropping only its pages:
+        :func:`flatcake.gva.read_faults.take_failing_drive_out_locked`); the count starts again."""
+        d = self.drives[self.drive_of(file_index)]
+        now = time.monotonic()
+        d.read_failures += 1
+        d.recent_read_failures = [t for t in d.recent_read_failures if now - t < READ_FAILURE_WINDOW_S] + [now]
+        if len(d.recent_read_failures) < READ_FAILURES_OUT:
+            return False
+        d.recent_read_failures = []
+        return not all(i in self.out_of_service for i in self.drive_files(d.index))
 
     def take_drive_out_of_service_locked(self, drive: int, why: str) -> None:
         """Drive ``drive`` failed (``why``: its files refuse writes, or its directory is gone):
@@ -179,7 +197,7 @@ class PoolFileFaults:
     def drive_states(self) -> list[dict]:
         """Per drive (``ssd.path`` order): ``drive`` (index), ``path``, ``state``
         (:meth:`drive_health`), ``files`` (pool files it may hold), ``files_out_of_service``,
-        ``used_bytes`` (allocated to extents), ``capacity_bytes`` (files in service ×
+        ``read_failures`` (failed reads since start-up), ``used_bytes`` (allocated to extents), ``capacity_bytes`` (files in service ×
         ``file_bytes``) and ``configured_capacity_bytes`` (files × ``file_bytes``)."""
         out = []
         for d in self.drives:
@@ -188,6 +206,7 @@ class PoolFileFaults:
             frs = [self._free.get(i) for i in files]  # no lock: a file may leave the dict meanwhile
             used = sum(self.file_bytes - fr.free_bytes for fr in frs if fr is not None)
             out.append({"drive": d.index, "path": d.path, "state": self.drive_health(d.index), "files": len(files),
+                        "read_failures": d.read_failures,
                         "files_out_of_service": oos, "used_bytes": used,
                         "capacity_bytes": (len(files) - len(oos)) * self.file_bytes,
                         "configured_capacity_bytes": len(files) * self.file_bytes})

@@ -445,3 +445,89 @@ def test_check_pool_dir_creates_nothing_and_names_a_bad_path(tmp_path):
         pool_dir.check_pool_dir(str(tmp_path / "f" / "fc"))
     with pytest.raises(SsdStartupError, match="not a writable directory"):
         pool_dir.check_pool_dir(str(tmp_path / "f"))
+
+
+# --------------------------------------------------------------- a drive that fails reads (issue 24 item 4)
+def corrupt(store, key):
+    """Overwrite the first 64 bytes of ``key``'s layer-0 chunk on disk (its checksum then fails)."""
+    from flatcake.gva.address import OFFSET_MASK
+
+    info = store.page_info(key)
+    off = (info.gva & OFFSET_MASK) % store.ssd.file_bytes
+    fd = os.open(store.ssd.path_of(info.file_index), os.O_WRONLY)
+    try:
+        os.pwrite(fd, b"\xa5" * 64, off)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def test_a_failed_read_drops_only_its_round_and_the_rounds_after_it(drives):
+    store, pool, lay = open_store(drives[:2])
+    s = put_session(store, pool, lay, "s", rounds=4)  # rounds on d0, d1, d0, d1
+    t = put_session(store, pool, lay, "t", rounds=4, first_page=10)
+    corrupt(store, s[3])  # the second page of round 1 (drive 1)
+    assert served(store, pool, lay, s) == [True, True, True, False, False, False, False, False]  # one page at a time
+    assert [store.page_info(k) is not None for k in s] == [True, True] + [False] * 6  # round 1 on: misses
+    assert served(store, pool, lay, t) == [True] * 8  # the other session, on both drives, keeps serving
+    assert store.leading_run(s) == 2 and store.leading_run(t) == 8
+    st = store.snapshot_stats()
+    assert st["quarantined_pages"] == 6 and st["quarantined_scopes"] == 1
+    assert [(d["state"], d["read_failures"]) for d in st["media"]["ssd"]["drives"]] == [("healthy", 0), ("healthy", 1)]
+    # the next backup of the lost pages stores them again, and that prefix hits once more
+    assert put_pages(store, pool, lay, s[2:4], [2, 3], s[:2]) == [True, True]
+    assert store.leading_run(s) == 4 and served(store, pool, lay, s[:4]) == [True] * 4
+    store.close()
+
+
+def test_a_drive_failing_reads_past_the_threshold_goes_out_with_only_its_pages_until_a_probe_succeeds(drives, monkeypatch):
+    from flatcake.media import pool_dir as pd
+    from flatcake.media import pool_faults
+
+    store, pool, lay = open_store(drives[:2])
+    sessions = [put_session(store, pool, lay, f"s{j}", rounds=4, first_page=10 * j) for j in range(4)]
+    on_d0 = {k for keys in sessions for k in keys if drive_dir_of(store, k) == drives[0]}
+    for j in range(pool_faults.READ_FAILURES_OUT):  # three failed reads of drive 1 within the window
+        i = next(i for i, k in enumerate(sessions[j]) if i >= 2 and k not in on_d0)  # a later round on drive 1
+        corrupt(store, sessions[j][i])
+        assert served(store, pool, lay, sessions[j][:i + 1]) == [True] * i + [False]
+    st = store.snapshot_stats()["media"]["ssd"]
+    assert [(d["state"], d["read_failures"]) for d in st["drives"]] == [("healthy", 0), ("disabled", 3)]
+    last = sessions[3]  # untouched session: its drive-1 pages are gone, its drive-0 pages serve
+    assert [store.page_info(k) is not None for k in last] == [k in on_d0 for k in last]
+    assert served(store, pool, lay, [k for k in last if k in on_d0]) == [True] * 4
+    new = put_session(store, pool, lay, "n", rounds=3, first_page=50)
+    assert {drive_dir_of(store, k) for k in new} == {drives[0]}  # new rounds only on the healthy drive
+    # the probe fails while the drive still refuses; then it succeeds and the drive serves again
+    monkeypatch.setattr(pool_faults, "OUT_OF_SERVICE_RETRY_S", 0.0)
+    refuse = {"on": True}
+    real = pd.rewrite_first_block
+
+    def probe(path, fb):
+        if refuse["on"] and path.startswith(drives[1]):
+            raise OSError(errno.EIO, "Input/output error", path)
+        return real(path, fb)
+
+    monkeypatch.setattr(pd, "rewrite_first_block", probe)
+    put_session(store, pool, lay, "p", rounds=2, first_page=56)  # a put runs the retry
+    assert store.snapshot_stats()["media"]["ssd"]["drives"][1]["state"] == "disabled"
+    refuse["on"] = False
+    more = put_session(store, pool, lay, "q", rounds=4, first_page=0)
+    assert store.snapshot_stats()["media"]["ssd"]["drives"][1]["state"] == "healthy"
+    assert drives[1] in {drive_dir_of(store, k) for k in more} and served(store, pool, lay, more) == [True] * 8
+    store.close()
+
+
+def test_one_drive_failing_reads_past_the_threshold_takes_its_files_out(ssd_dir):
+    from flatcake.media import pool_faults
+
+    store, pool, lay = make_store(ssd_dir, **{"ssd.file_bytes": 1 << 20, "ssd.max_files": 2})
+    sessions = [put_session(store, pool, lay, f"s{j}", rounds=2, first_page=10 * j) for j in range(4)]
+    for j in range(pool_faults.READ_FAILURES_OUT - 1):
+        corrupt(store, sessions[j][2])
+        assert served(store, pool, lay, sessions[j][:3]) == [True, True, False]
+    assert store.ssd.health() == "healthy" and served(store, pool, lay, sessions[3]) == [True] * 4
+    corrupt(store, sessions[2][2])
+    assert served(store, pool, lay, sessions[2][:3]) == [True, True, False]
+    assert store.ssd.health() == "disabled" and store.page_info(sessions[3][0]) is None  # nothing promised
+    store.close()
