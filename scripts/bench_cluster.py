@@ -16,6 +16,12 @@ Raw, DRAM and SSD reads are interleaved over ``--repeats`` and medians reported,
 the machine's noise. Targets (reported, not asserted): remote DRAM ≥ 0.8× raw, remote SSD
 ≥ 0.6× raw, propagation p99 ≤ 50 ms.
 
+The owner's disk limit is fio's sequential read (``scripts/fio_limit.py``: O_DIRECT, libaio,
+queue depth 32, the best of 1, 4 and 16 MiB requests) of the SSD pages' bytes on ``--dir``'s file
+system (where A's pool files are), measured before the interleaved reads and after them:
+``fio_read`` holds both, and ``ratio_remote_ssd_to_fio`` is the median over the repeats of the
+remote SSD GB/s over the nearer of the two (the first half of the repeats: before).
+
     sudo .venv/bin/python scripts/bench_cluster.py [--pages 128 --chunk-kib 64 --layers 4] [--json FILE]
 
 Needs root, iproute2, an etcd binary and the Mooncake wheel (libibverbs1); exits 2 saying which is
@@ -37,7 +43,8 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_common import cluster_refusal, write_json  # noqa: E402
+from bench_common import cluster_refusal, fio_ratios, write_json  # noqa: E402
+from fio_limit import fio_limit  # noqa: E402
 from flatcake.config import ClusterConfig  # noqa: E402
 
 
@@ -69,7 +76,8 @@ def _start(cluster, root, args):
 
 
 def _bandwidths(a, b, args) -> dict:
-    """Write the pages on A, then interleave raw / DRAM / SSD reads on B. Returns GB/s medians."""
+    """Write the pages on A, then interleave raw / DRAM / SSD reads on B. Returns GB/s medians
+    and, under ``"runs"``, every repeat's figures."""
     dram = [f"bench-dram-{i:05d}".ljust(64, "d") for i in range(args.pages)]
     ssd = [f"bench-ssd-{i:05d}".ljust(64, "s") for i in range(args.pages)]
     per_round = 128
@@ -95,7 +103,7 @@ def _bandwidths(a, b, args) -> dict:
     print(f"  remote SSD per read (mean of {n}): owner disk {sa['read_s'] / n * 1e3:.1f} ms, reader waiting "
           f"{sb['ssd_wait_s'] / n * 1e3:.1f} ms, pulling {sb['ssd_pull_s'] / n * 1e3:.1f} ms, checking and copying "
           f"{sb['ssd_copy_s'] / n * 1e3:.1f} ms", file=sys.stderr)
-    return {k: statistics.median(v) for k, v in runs.items()}
+    return {**{k: statistics.median(v) for k, v in runs.items()}, "runs": runs}
 
 
 def _propagation(a, b, rounds: int) -> list:
@@ -113,17 +121,23 @@ def run(args) -> dict:
     from flatcake.cluster import netns
 
     root = tempfile.mkdtemp(prefix="fc-bench-cluster-", dir=args.dir)
+    ssd_bytes = args.pages * args.layers * args.chunk_kib * 1024
     try:
         with netns.LocalCluster(2) as cluster:
             a, b = _start(cluster, root, args)
+            fio_before = fio_limit(root, ssd_bytes, "read")
             bw = _bandwidths(a, b, args)
+            fio_after = fio_limit(root, ssd_bytes, "read")
             delays = _propagation(a, b, args.rounds)
     finally:
         shutil.rmtree(root, ignore_errors=True)
+    to_fio = fio_ratios(bw["runs"]["ssd"], fio_before, fio_after)
     return {"te_raw_gbps": round(bw["raw"], 4), "remote_dram_gbps": round(bw["dram"], 4),
             "remote_ssd_gbps": round(bw["ssd"], 4),
             "ratio_remote_dram_to_raw": round(bw["dram"] / bw["raw"], 3),
             "ratio_remote_ssd_to_raw": round(bw["ssd"] / bw["raw"], 3),
+            "ratio_remote_ssd_to_fio": None if to_fio is None else round(to_fio, 3),
+            "fio_read": {"before": fio_before, "after": fio_after},
             "propagation_ms": {"p50": round(statistics.median(delays), 2), "p99": round(_pct(delays, 0.99), 2)}}
 
 
@@ -160,6 +174,10 @@ def main(argv=None) -> int:
     print(f"  Transfer Engine raw read  {out['te_raw_gbps']:.3f} GB/s")
     print(f"  remote DRAM               {out['remote_dram_gbps']:.3f} GB/s  ({out['ratio_remote_dram_to_raw']:.2f}x raw; target >= 0.8)")
     print(f"  remote SSD                {out['remote_ssd_gbps']:.3f} GB/s  ({out['ratio_remote_ssd_to_raw']:.2f}x raw; target >= 0.6)")
+    fio = [f for f in out["fio_read"].values() if "best_gb_per_s" in f]
+    r = out["ratio_remote_ssd_to_fio"]
+    figures = ", ".join(f"{f['best_gb_per_s']:.3f}" for f in fio) + " GB/s (before, after)" if fio else "no figure"
+    print(f"  owner's disk (fio read)   {figures}" + (f"  (remote SSD {r:.2f}x fio)" if r else ""))
     print(f"  propagation A->B          p50 {out['propagation_ms']['p50']} ms, p99 {out['propagation_ms']['p99']} ms "
           f"({args.rounds} rounds of 128 pages; target p99 <= 50 ms)")
     write_json(args.json, out)

@@ -1,10 +1,12 @@
-"""Helpers shared by the ``scripts/bench_*.py`` benchmarks: medians over repeated runs and the
-``--json`` output."""
+"""Helpers shared by the ``scripts/bench_*.py`` benchmarks: medians over repeated runs, the
+``--json`` output, the disk's limit by fio (:class:`FioRead`, :func:`nearest_fio`) and the
+baselines' pre-faulted buffers (:func:`prefaulted`)."""
 
 from __future__ import annotations
 
 import contextlib
 import json
+import os
 import shutil
 import statistics
 import tempfile
@@ -162,6 +164,99 @@ def aligned(nbytes: int):
     from flatcake.media.directio import aligned_host_buffer
 
     return aligned_host_buffer(align_up(nbytes))[1]
+
+
+def prefaulted(nbytes: int):
+    """A page-aligned uint8 numpy buffer of at least ``nbytes`` bytes under FlatCake's staging
+    policy (``aligned_host_buffer(huge=True)``: ``MADV_HUGEPAGE`` unless ``FLATCAKE_HUGEPAGES=0``,
+    every page faulted in now), for a baseline's buffers: made once, outside the timed region,
+    as FlatCake's staging windows are (issue 23, item 7). The array keeps the mapping alive."""
+    from flatcake.align import align_up
+    from flatcake.media.directio import aligned_host_buffer
+
+    return aligned_host_buffer(align_up(max(1, nbytes)), huge=True)[1]  # np.frombuffer holds the mapping
+
+
+# ---------------------------------------------------------------- the disk's limit (fio)
+class FioRead:
+    """fio's best sequential O_DIRECT read (``scripts/fio_limit.py``'s job: libaio, queue depth
+    32, the best of 1, 4 and 16 MiB requests) of one file, laid out once and read again at every
+    :meth:`measure`, so a bench can measure the limit next to each of its passes without writing
+    the file again each time (a write burst just before a timed read would slow that read on a
+    throttled virtual disk).
+
+    Args:
+        directory: where the file goes (the file system under test); removed by :meth:`close`.
+        size_bytes: bytes per read job, rounded up to whole 16 MiB requests.
+        block_sizes_mib: request sizes tried (fio_limit's default).
+
+    Attributes:
+        error: why fio gives no figure (not installed, a failed lay-out), else ``None``.
+    """
+
+    def __init__(self, directory: str, size_bytes: int, block_sizes_mib=None):
+        import subprocess
+
+        import fio_limit as fl
+
+        self.fl = fl
+        self.block_sizes_mib = tuple(block_sizes_mib or fl.BLOCK_SIZES_MIB)
+        big = max(self.block_sizes_mib) * fl.MIB
+        self.size_bytes = -(-max(int(size_bytes), 1) // big) * big
+        self.dir = tempfile.mkdtemp(prefix="fc-fio-", dir=directory)
+        self.path = os.path.join(self.dir, "fio.bin")
+        self.error: Optional[str] = None
+        self.version = ""
+        if not fl.fio_path():
+            self.error = "fio not installed (apt-get install fio)"
+            return
+        try:
+            self.version = subprocess.run(["fio", "--version"], capture_output=True, text=True).stdout.strip()
+            fl.run_fio(fl.fio_command(self.path, "write", max(self.block_sizes_mib), self.size_bytes))
+        except (RuntimeError, ValueError, OSError) as e:
+            self.error = str(e)
+
+    def measure(self) -> dict:
+        """One read of the file at every request size: the dict :func:`fio_limit.fio_limit`
+        returns (``best_gb_per_s``, ``best_bs_mib``, ``by_bs_mib``, ``commands``, ...; plus
+        ``at`` = ``time.time()``), or ``{"tool": "fio", "error": ...}``."""
+        import time
+
+        if self.error:
+            return {"tool": "fio", "error": self.error}
+        by_bs, cmds, t = {}, [], time.time()
+        try:
+            for bs in self.block_sizes_mib:
+                cmd = self.fl.fio_command(self.path, "read", bs, self.size_bytes)
+                cmds.append(" ".join(cmd))
+                by_bs[bs] = self.fl.run_fio(cmd)["gb_per_s"]
+        except (RuntimeError, ValueError, OSError) as e:
+            return {"tool": "fio", "error": str(e), "by_bs_mib": by_bs, "commands": cmds}
+        best = max(by_bs, key=by_bs.get)
+        return {"tool": "fio", "version": self.version, "rw": "read", "iodepth": self.fl.IODEPTH,
+                "size_bytes": self.size_bytes, "by_bs_mib": by_bs, "best_gb_per_s": by_bs[best],
+                "best_bs_mib": best, "commands": cmds, "at": t}
+
+    def close(self) -> None:
+        """Remove the file (and its directory)."""
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def nearest_fio(i: int, n: int, before: dict, after: dict) -> dict:
+    """For run ``i`` of ``n`` measured between two fio measurements: the nearer in time (runs
+    in the first half: ``before``; the rest: ``after``), or whichever gave a figure."""
+    first, second = (before, after) if 2 * i < n else (after, before)
+    return first if first.get("best_gb_per_s") else second
+
+
+def fio_ratios(values: Sequence[float], before: dict, after: dict) -> Optional[float]:
+    """Median over runs ``i`` of ``values[i]`` / the best GB/s of :func:`nearest_fio`
+    (``None`` when fio gave no figure either time)."""
+    import fio_limit as fl
+
+    r = [fl.ratio_to_fio(v, nearest_fio(i, len(values), before, after)) for i, v in enumerate(values)]
+    r = [x for x in r if x is not None]
+    return statistics.median(r) if r else None
 
 
 def pool_digest(pool) -> int:

@@ -21,8 +21,19 @@ median read_gbps on / off. Every restored page is checked (the leading run must 
 
     python scripts/bench_mixed_io.py --json runs/bench/mixed_io.json
 
+**The disk's limit** is fio's (``scripts/fio_limit.py``: O_DIRECT, libaio, queue depth 32, the
+best of 1, 4 and 16 MiB requests), read and write, on ``--dir``'s file system with the restored
+sessions' bytes, measured before the first pass and after the last; each pass's GB/s is taken
+over the nearer of the two (the first half of the passes: before; the rest: after), and
+``ratio_to_fio`` is the median of those per-pass ratios per policy. The raw O_DIRECT figures
+printed first are our own single-stream reads and writes (one stream, queue depth 1), kept for
+reference.
+
 ``--json FILE`` writes exactly ``{"read_gbps": {"on", "off"}, "write_gbps": {"on", "off"},
-"restore_wall_s": {"on", "off"}, "read_speedup": x}``.
+"restore_wall_s": {"on", "off"}, "read_speedup": x}``, plus, unless ``--no-raw``, ``"fio":
+{"read": {"before", "after"}, "write": {"before", "after"}}`` (fio_limit's dicts) and
+``"ratio_to_fio": {"read_gbps": {"on", "off"}, "write_gbps": {"on", "off"}}`` (``null`` where
+fio gave no figure).
 """
 
 from __future__ import annotations
@@ -40,7 +51,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_common import PROFILES, make_host_pool, write_json  # noqa: E402
+from bench_common import PROFILES, make_host_pool, nearest_fio, write_json  # noqa: E402
+from fio_limit import fio_limit, ratio_to_fio  # noqa: E402
 from flatcake.config import STORAGE_BATCH_PAGES  # noqa: E402
 
 POLICIES = ("on", "off")
@@ -59,7 +71,8 @@ def parse_args(argv=None):
     ap.add_argument("--backlog-mib", type=int, default=256, help="ssd.write_backlog_bytes with the policy on (MiB)")
     ap.add_argument("--passes", type=int, default=2, help="passes of each policy, alternating (default 2)")
     ap.add_argument("--dir", default=tempfile.gettempdir(), help="where the temporary pools go")
-    ap.add_argument("--no-raw", action="store_true", help="skip the raw O_DIRECT disk reference")
+    ap.add_argument("--no-raw", action="store_true",
+                    help="skip the disk references: fio's limit and our raw O_DIRECT single-stream figures")
     ap.add_argument("--json", help="write the results here")
     a = ap.parse_args(argv)
     a.page_size = a.page_size or PROFILES[a.profile]["page_size"]
@@ -225,12 +238,34 @@ def pool_page_bytes(pool) -> int:
     return KvPageLayout.from_host_pool(pool).geometry.page_bytes
 
 
-def summarize(runs: list[dict]) -> dict:
-    """The ``--json`` object: medians per policy and ``read_speedup`` (on / off)."""
+def summarize(runs: list[dict], fio: dict | None = None) -> dict:
+    """The ``--json`` object: medians per policy and ``read_speedup`` (on / off); with ``fio``
+    (``{"read": {"before", "after"}, "write": {...}}``) also ``fio`` and ``ratio_to_fio``, the
+    median per policy of each pass's GB/s over the nearer fio measurement."""
     med = {k: {p: statistics.median(r[k] for r in runs if r["policy"] == p) for p in POLICIES}
            for k in ("read_gbps", "write_gbps", "restore_wall_s")}
     off = med["read_gbps"]["off"]
-    return {**med, "read_speedup": med["read_gbps"]["on"] / off if off > 0 else 0.0}
+    out = {**med, "read_speedup": med["read_gbps"]["on"] / off if off > 0 else 0.0}
+    if fio is not None:
+        ratios: dict = {}
+        for k, rw in (("read_gbps", "read"), ("write_gbps", "write")):
+            ratios[k] = {}
+            for p in POLICIES:
+                r = [ratio_to_fio(run[k], nearest_fio(i, len(runs), fio[rw]["before"], fio[rw]["after"]))
+                     for i, run in enumerate(runs) if run["policy"] == p]
+                r = [x for x in r if x is not None]
+                ratios[k][p] = statistics.median(r) if r else None
+        out.update({"fio": fio, "ratio_to_fio": ratios})
+    return out
+
+
+def measure_fio(base: Path, nbytes: int) -> dict:
+    """fio's read and write limits on ``base``'s file system (``nbytes`` a job), printed."""
+    got = {rw: fio_limit(str(base), nbytes, rw) for rw in ("read", "write")}
+    print("fio (O_DIRECT, libaio, QD 32, best of 1/4/16 MiB): " + "; ".join(
+        f"{rw} {f['best_gb_per_s']:.2f} GB/s ({f['best_bs_mib']} MiB)" if "error" not in f else f"{rw}: {f['error']}"
+        for rw, f in got.items()), flush=True)
+    return got
 
 
 def main(argv=None) -> dict:
@@ -241,10 +276,13 @@ def main(argv=None) -> dict:
     pages = 2 * (args.read_tokens // P) + args.write_tokens // P
     pool, _ = make_host_pool(args.profile, pages * P, P, "page_first")
     base = Path(args.dir)
+    fio_bytes = args.read_sessions * args.read_tokens * pool.get_size_per_token()
+    fio_before = None if args.no_raw else measure_fio(base, fio_bytes)
     raw = None if args.no_raw else raw_disk(base)
     if raw:
-        print(f"disk alone (O_DIRECT, 16 MiB, no FlatCake): read {raw['read_alone_gbps']:.2f} GB/s; with a writer "
-              f"streaming: read {raw['read_with_writes_gbps']:.2f} GB/s, write {raw['write_gbps']:.2f} GB/s", flush=True)
+        print(f"our own single-stream O_DIRECT (one stream, QD 1, 16 MiB; no FlatCake): read "
+              f"{raw['read_alone_gbps']:.2f} GB/s; with a writer streaming: read {raw['read_with_writes_gbps']:.2f} "
+              f"GB/s, write {raw['write_gbps']:.2f} GB/s", flush=True)
     alone = one_pass(args, pool, "alone", base, -1)
     print(f"reference: restores alone (no writer) read {alone['read_gbps']:.2f} GB/s in "
           f"{alone['restore_wall_s']:.2f} s", flush=True)
@@ -256,11 +294,20 @@ def main(argv=None) -> dict:
         print(f"pass {i} policy {policy:3s}: read {r['read_gbps']:.2f} GB/s in {r['restore_wall_s']:.2f} s, "
               f"write {r['write_gbps']:.2f} GB/s ({r['written_pages']} pages, deferred {r['write_deferred_s']:.2f} s, "
               f"dropped {r['dropped_pages']}, failed {r['failed_pages']})", flush=True)
-    out = summarize(runs)
+    fio = None
+    if fio_before is not None:
+        after = measure_fio(base, fio_bytes)
+        fio = {rw: {"before": fio_before[rw], "after": after[rw]} for rw in ("read", "write")}
+    out = summarize(runs, fio)
     print(f"median: read GB/s on {out['read_gbps']['on']:.2f} / off {out['read_gbps']['off']:.2f} "
           f"(speedup {out['read_speedup']:.2f}x); write GB/s on {out['write_gbps']['on']:.2f} / "
           f"off {out['write_gbps']['off']:.2f}; restore s on {out['restore_wall_s']['on']:.2f} / "
           f"off {out['restore_wall_s']['off']:.2f}")
+    if fio is not None:
+        r = out["ratio_to_fio"]
+        f = {k: {p: "-" if v is None else f"{v:.2f}" for p, v in d.items()} for k, d in r.items()}
+        print(f"ratio to fio (each pass over the nearer fio figure): read on {f['read_gbps']['on']} / off "
+              f"{f['read_gbps']['off']}; write on {f['write_gbps']['on']} / off {f['write_gbps']['off']}")
     write_json(args.json, out)
     return out
 

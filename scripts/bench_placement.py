@@ -11,6 +11,10 @@ medians:
 * ``placed_put_ms``: A's ``batch_set_v1`` of one round placed on B (returns when B stored it);
 * ``placed_mb_s``: round bytes / placed put time; ``ratio_placed_to_local``.
 
+No ratio to fio (issue 23, item 6, asks one of every bench that reports a disk rate): both puts
+return once the round is in B's write queue (``ssd.write_backlog_bytes``), before B's disk
+write, so ``placed_mb_s`` is the network and queue path's rate, not the disk's.
+
     sudo .venv/bin/python scripts/bench_placement.py [--pages 128 --layers 8 --page-size 64] [--json FILE]
 
 Needs root, iproute2, an etcd binary and the Mooncake wheel (libibverbs1); exits 2 saying which is

@@ -13,6 +13,9 @@ per byte). Each rebuild is repeated ``--repeats`` times; the median is reported.
 
 ``--json FILE`` writes ``{"capacity_bytes", "runs": [{"round_pages", "pages", "rounds",
 "fill_s", "rebuild_s": [...], "median_rebuild_s", "pages_per_s"}]}``.
+
+No ratio to fio's sequential limit (issue 23, item 6): a rebuild reads a small header and record
+per live round, not a stream of bytes, so its figure is pages per second, not GB/s.
 """
 
 from __future__ import annotations
