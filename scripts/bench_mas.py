@@ -1,6 +1,17 @@
 #!/usr/bin/env python3
 """FC-MAS benchmark (paper §3.2, docs/performance.md): TTFT under load with SGLang's FIFO
-prefetch I/O (``fcfs``) and with FC-MAS lanes (``mas``), same mix, same run.
+prefetch I/O (``fcfs``), with a FIFO of as many I/O threads as FC-MAS has (``fifo-N``) and with
+FC-MAS lanes (``mas``), same mix, same run.
+
+The three schedulers:
+
+* ``fcfs``   — SGLang 0.5.23's prefetch I/O: one thread, strictly in submission order;
+* ``fifo-N`` — the control: ``N`` = FC-MAS's thread count (its DRAM lane + ``--ssd-restores``
+  SSD-lane threads; ``fifo-2`` by default), taking operations in submission order, up to ``N``
+  at once (:class:`FifoThreads`). It separates what the lanes and HRRN order do from what the
+  extra thread does: a DRAM-ready prefetch can run beside one restore here too, but not beside
+  ``N`` of them;
+* ``mas``    — FC-MAS: a DRAM lane and ``--ssd-restores`` SSD restores picked by HRRN.
 
 The mix, built from the shipped real traces:
 
@@ -15,13 +26,19 @@ The mix, built from the shipped real traces:
 Warm-up runs one request at a time (:class:`flatcake.replay.engine.Engine`); the measured phase
 runs the concurrent serving model (:mod:`flatcake.replay.serving`): short requests arrive as a
 Poisson stream at ``--qps`` (seeded), the agent turns evenly spread over the same window. The
-HBM prefix cache is off, so every prefix comes from L3. Each scheduler gets a fresh store and
-the same warm-up; ``--repeats`` runs of each, medians reported.
+HBM prefix cache is on (``--hbm-pages``, default 512 pages = 32 Ki tokens, as the replay's
+configs), empty when the measured phase starts, so a prefix one measured request computed is
+reused from HBM by the next, as in a server (``--hbm-pages 0``: every prefix from L3, the
+setting of the first measurements). The warm-up runs with no HBM cache (it only has to write the
+contexts). Each scheduler gets a fresh store and the same warm-up; ``--repeats`` runs of each
+(fixed before the run, the order rotating), every run printed and kept, medians reported.
 
     python scripts/bench_mas.py --json runs/bench/mas.json
 
-``--json FILE`` writes ``{"systems": {"fcfs": {...}, "mas": {...}}, "ttft_p99_ratio",
-"ttft_mean_ratio", "dram_lane_wait_p99_s": {...}, "runs": [...]}`` (ratios are mas / fcfs of the
+``--json FILE`` writes ``{"mix": {..., "hbm_pages"}, "io_threads": {scheduler: n}, "fifo_n":
+"fifo-N", "systems": {"fcfs": {...}, "fifo-N": {...}, "mas": {...}}, "ttft_p99_ratio",
+"ttft_mean_ratio", "ttft_p99_ratio_vs_fifo_n", "ttft_mean_ratio_vs_fifo_n",
+"dram_lane_wait_p99_s": {...}, "runs": [...]}`` (ratios are mas / fcfs and mas / fifo-N of the
 medians). Storage files go to a temporary directory under ``--dir`` that is removed at the end.
 """
 
@@ -30,24 +47,91 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import queue
 import random
+import statistics
 import sys
+import threading
+import time
 from pathlib import Path
+from typing import Callable, Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench_common import add_common_args, median_of, temp_system, write_json  # noqa: E402
+from bench_common import add_common_args, temp_system, write_json  # noqa: E402
 from flatcake.config import read_yaml  # noqa: E402
 from flatcake.replay.engine import Engine, EngineConfig, ModelProfile  # noqa: E402
 from flatcake.replay.keys import PageKeyer  # noqa: E402
-from flatcake.replay.serving import ServingConfig, serve  # noqa: E402
+from flatcake.mas.lanes import LaneOp, Lanes  # noqa: E402
+from flatcake.replay.arrivals import turns_before_previous_answer  # noqa: E402
+from flatcake.replay.serving import ServingConfig, ServingModel, serve, serving_summary  # noqa: E402
 from flatcake.replay.traces import load_trace  # noqa: E402
 
 TRACES = ROOT.parent / "shared" / "traces"
 WEKA = TRACES / "weka_kv_cache_tester" / "kv_cache_tester_traces_710.tar.xz"
 MOONCAKE = TRACES / "mooncake" / "conversation_trace.jsonl"
 NEW_TURN_TOKENS = 1024  # tokens an agent's measured turn adds to its context
+
+
+class FifoThreads(Lanes):
+    """FIFO prefetch I/O on ``workers`` threads: operations start in submission order, up to
+    ``workers`` at once; each is announced when its own reads end (the ``fifo-N`` control).
+    ``lane`` is ``"fifo"``, as for SGLang's one thread, so the serving summary counts the same.
+    """
+
+    def __init__(self, workers: int, pending_reads: Optional[Callable[[int], None]] = None):
+        super().__init__(pending_reads)
+        self.name = f"fifo-{workers}"
+        self._q: "queue.SimpleQueue[Optional[LaneOp]]" = queue.SimpleQueue()
+        self._threads = [threading.Thread(target=self._work, name=f"fc-lane-fifo{i}", daemon=True)
+                         for i in range(workers)]
+        for t in self._threads:
+            t.start()
+
+    def submit(self, op: LaneOp) -> None:
+        op.lane, op.submitted_s = "fifo", time.monotonic()
+        self._note_submit(op)
+        self._mark_pending(op, +1)
+        self._q.put(op)
+
+    def _work(self) -> None:
+        while (op := self._q.get()) is not None:
+            self._execute(op)
+            self._complete(op)
+
+    def close(self) -> None:
+        for _ in self._threads:
+            self._q.put(None)
+        for t in self._threads:
+            t.join()
+
+
+def mas_threads(ssd_restores: int) -> int:
+    """FC-MAS's I/O threads: the DRAM lane and one per concurrent SSD restore."""
+    return 1 + ssd_restores
+
+
+def schedulers(ssd_restores: int) -> tuple:
+    """``("fcfs", "fifo-N", "mas")`` with N = :func:`mas_threads`."""
+    return ("fcfs", f"fifo-{mas_threads(ssd_restores)}", "mas")
+
+
+def serve_fifo_threads(system, profile, ecfg: EngineConfig, scfg: ServingConfig, workers: int, reqs, keys) -> dict:
+    """:func:`flatcake.replay.serving.serve` with :class:`FifoThreads` of ``workers`` threads in
+    place of the model's lanes (``ServingModel.lanes``; the serving model itself has no FIFO with
+    more than one thread), same summary fields."""
+    model = ServingModel(system, profile, ecfg, dataclasses.replace(scfg, scheduler="fcfs"))
+    pending = model.lanes.pending_reads
+    model.lanes.close()
+    model.lanes = FifoThreads(workers, pending)
+    t0 = time.monotonic()
+    lives = model.run(reqs, keys)
+    s = serving_summary(lives, profile.page_size, time.monotonic() - t0, model.backup_skipped_pages)
+    s["qps"] = scfg.qps
+    s["turns_before_previous_answer"] = turns_before_previous_answer(reqs, lives)
+    s["counters"] = system.counters()
+    return s
 
 
 def build_mix(args):
@@ -89,15 +173,19 @@ def one_run(args, profile, scheduler: str, warm, measured, base: Path) -> dict:
     fc = {"dram.capacity_bytes": 256 << 20, "ssd.file_bytes": 256 << 20, "ssd.max_files": args.max_files,
           "placement.l_agent_tokens": 4096, "cio.windows": args.ssd_restores}
     with temp_system("flatcake", profile, args.host_pool_pages, base, fc, f"mas-{scheduler}-") as system:
-        ecfg = EngineConfig(hbm_pages=0, host_pool_pages=args.host_pool_pages)
-        warm_engine = Engine(system, profile, ecfg)
+        warm_engine = Engine(system, profile, EngineConfig(hbm_pages=0, host_pool_pages=args.host_pool_pages))
         for r in warm[-2:]:  # the two short requests ask before either is written: a shared prompt
             system.exists(keyer.keys(r), [])
         for r in warm:
             warm_engine.run(keyer.keys(r), r.prompt_tokens)
         native = (len(measured) - 1) / (measured[-1].arrival_s - measured[0].arrival_s)
+        ecfg = EngineConfig(hbm_pages=args.hbm_pages, host_pool_pages=args.host_pool_pages)
+        keys = [keyer.keys(r) for r in measured]
+        if scheduler.startswith("fifo-"):
+            scfg = ServingConfig(qps=native, scheduler="fcfs", ssd_restores=args.ssd_restores)
+            return serve_fifo_threads(system, profile, ecfg, scfg, int(scheduler[5:]), measured, keys)
         scfg = ServingConfig(qps=native, scheduler=scheduler, ssd_restores=args.ssd_restores)
-        return serve(system, profile, ecfg, scfg, measured, [keyer.keys(r) for r in measured])
+        return serve(system, profile, ecfg, scfg, measured, keys)
 
 
 def main(argv=None) -> int:
@@ -111,38 +199,64 @@ def main(argv=None) -> int:
     ap.add_argument("--qps", type=float, default=40.0, help="short-request arrival rate (default 40/s)")
     ap.add_argument("--ssd-restores", type=int, default=1, help="concurrent SSD restores, cio.windows (default 1)")
     ap.add_argument("--max-files", type=int, default=16, help="256 MiB pool files (default 16: 4 GiB, so nothing is evicted)")
+    ap.add_argument("--hbm-pages", type=int, default=512,
+                    help="HBM prefix cache of the measured phase, pages (default 512 = 32 Ki tokens; 0: off)")
     add_common_args(ap, ROOT, 5, "scheduler")
     args = ap.parse_args(argv)
+    if args.hbm_pages < 0 or args.ssd_restores < 1 or args.repeats < 1:
+        ap.error("--hbm-pages must be >= 0, --ssd-restores and --repeats >= 1")
     profile = ModelProfile.from_dict(read_yaml(Path(args.profile))["model"])
     warm, measured = build_mix(args)
+    names = schedulers(args.ssd_restores)
+    threads = {names[0]: 1, names[1]: mas_threads(args.ssd_restores), names[2]: mas_threads(args.ssd_restores)}
+    print(f"{args.repeats} runs of {', '.join(names)} (I/O threads {threads}); HBM prefix cache "
+          f"{args.hbm_pages} pages", flush=True)
     runs = []
     for rep in range(args.repeats):
-        for sched in (("fcfs", "mas") if rep % 2 == 0 else ("mas", "fcfs")):
+        for sched in names[rep % len(names):] + names[: rep % len(names)]:
             s = one_run(args, profile, sched, warm, measured, Path(args.dir))
-            runs.append({"scheduler": sched, **s})
+            runs.append({"scheduler": sched, "repeat": rep, **s})
+            wait = s["dram_lane_wait_p99_s"]
             print(f"[{rep + 1}/{args.repeats}] {sched}: TTFT p99 {s['ttft_s']['p99']:.3f} s, mean "
-                  f"{s['ttft_s']['mean']:.3f} s, hit rate {s['delivered_hit_rate']:.3f}, DRAM-lane wait p99 "
-                  f"{s['dram_lane_wait_p99_s']:.3f} s, verify failures {s['verify_failures']}", flush=True)
+                  f"{s['ttft_s']['mean']:.3f} s, hit rate {s['delivered_hit_rate']:.3f} (HBM "
+                  f"{s['hit_tokens']['hbm']} / DRAM {s['hit_tokens']['dram']} / SSD {s['hit_tokens']['ssd']} tokens), "
+                  f"DRAM-lane wait p99 {'-' if wait is None else f'{wait:.3f} s'}, verify failures "
+                  f"{s['verify_failures']}", flush=True)
 
-    def med(name, *path):
-        return median_of(runs, "scheduler", name, *path)
+    def med(name, *path):  # over the runs with a value (a statistic over no requests is None)
+        vals = []
+        for r in runs:
+            if r["scheduler"] == name:
+                for k in path:
+                    r = r[k]
+                vals.append(r)
+        vals = [v for v in vals if v is not None]
+        return statistics.median(vals) if vals else None
 
     systems = {}
-    for sched in ("fcfs", "mas"):
-        systems[sched] = {"ttft_s": {k: med(sched, "ttft_s", k) for k in ("mean", "p50", "p99")},
+    for sched in names:
+        systems[sched] = {"io_threads": threads[sched],
+                          "ttft_s": {k: med(sched, "ttft_s", k) for k in ("mean", "p50", "p99")},
+                          "hit_tokens": {k: med(sched, "hit_tokens", k) for k in ("hbm", "dram", "ssd")},
                           "delivered_hit_rate": med(sched, "delivered_hit_rate"),
                           "dram_lane_wait_p99_s": med(sched, "dram_lane_wait_p99_s"),
                           "ssd_prefetch_s": {k: med(sched, "ssd_prefetch_s", k) for k in ("mean", "p99")},
                           "queue_s_p99": med(sched, "queue_s", "p99"),
                           "tokens_per_s": med(sched, "tokens_per_s"),
                           "verify_failures": sum(r["verify_failures"] for r in runs if r["scheduler"] == sched)}
+    fifo_n = names[1]
     out = {
         "mix": {"agents": sum(1 for r in measured if r.namespace.startswith("weka")),
                 "short": sum(1 for r in measured if not r.namespace.startswith("weka")), "qps_short": args.qps,
-                "ssd_restores": args.ssd_restores, "repeats": args.repeats, "profile": profile.name},
+                "ssd_restores": args.ssd_restores, "hbm_pages": args.hbm_pages, "repeats": args.repeats,
+                "profile": profile.name},
+        "io_threads": threads,
+        "fifo_n": fifo_n,
         "systems": systems,
         "ttft_p99_ratio": systems["mas"]["ttft_s"]["p99"] / systems["fcfs"]["ttft_s"]["p99"],
         "ttft_mean_ratio": systems["mas"]["ttft_s"]["mean"] / systems["fcfs"]["ttft_s"]["mean"],
+        "ttft_p99_ratio_vs_fifo_n": systems["mas"]["ttft_s"]["p99"] / systems[fifo_n]["ttft_s"]["p99"],
+        "ttft_mean_ratio_vs_fifo_n": systems["mas"]["ttft_s"]["mean"] / systems[fifo_n]["ttft_s"]["mean"],
         "dram_lane_wait_p99_s": {k: systems[k]["dram_lane_wait_p99_s"] for k in systems},
         "runs": runs,
     }
