@@ -59,18 +59,19 @@ def _build():
     fn = lib.fc_write_pieces
     fn.argtypes = [ctypes.c_int64] * 4 + [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
     fn.restype = ctypes.c_int64
-    return (lambda *a: fn(*a)), ""  # the closure keeps the library loaded
+    return (lambda *a: fn(*a)), why  # the closure keeps the library loaded
 
 
 #: the C piece loop (``FLATCAKE_NATIVE_WRITE=0`` turns it off)
-LOOP = NativeLoop(_build, "FLATCAKE_NATIVE_WRITE", "write queue: a pwritev per piece from Python")
+LOOP = NativeLoop(_build, "FLATCAKE_NATIVE_WRITE", "write queue: a pwritev per piece from Python", name="write")
 
 
 def warm_up() -> None:
-    """Compile and load the C piece loop in a background thread (called when a store opens its
-    write queue): else the writer thread's first round of each process waits for the compiler
-    (0.25 s here, seconds on a busy machine) while every queued round stays in memory."""
-    LOOP.warm_up("fc-write-init")
+    """Compile and load the C piece loop, and every other C loop, in the background (called when
+    a store opens its write queue): else the writer thread's first round of each process waits
+    for the compiler (0.25 s here, seconds on a busy machine) while every queued round stays in
+    memory (:func:`flatcake.native_loop.warm_up_all`)."""
+    LOOP.warm_up()
 
 
 def piece_writer(ends: Sequence[int], readers: Optional[np.ndarray],

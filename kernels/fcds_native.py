@@ -7,7 +7,8 @@ docs/performance.md), too slow for a write path that must keep up with the disk.
 arithmetic in a 20-line C loop, compiled once per process with the system C compiler into a
 temporary directory and loaded through :mod:`ctypes` (files removed right after; the pattern
 of :mod:`flatcake.cio.xxh3_bulk`), makes one pass. Where no compiler is available it falls back
-to :func:`~flatcake.kernels.device_checksum.fcds_numpy` (same bits; logged once at INFO).
+to :func:`~flatcake.kernels.device_checksum.fcds_numpy` (same bits; logged once at WARNING and
+reported as the ``fcds`` loop's state, :mod:`flatcake.native_loop`).
 """
 
 from __future__ import annotations
@@ -57,11 +58,11 @@ def _build():
     fn = lib.fc_fcds_at
     fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
     fn.restype = None
-    return fn, ""
+    return fn, why
 
 
 #: the C loop (``FLATCAKE_NATIVE_FCDS=0`` turns it off)
-LOOP = NativeLoop(_build, "FLATCAKE_NATIVE_FCDS", "FlatCake device checksums on the write side: numpy")
+LOOP = NativeLoop(_build, "FLATCAKE_NATIVE_FCDS", "FlatCake device checksums on the write side: numpy", name="fcds")
 
 
 def native() -> bool:
@@ -71,8 +72,9 @@ def native() -> bool:
 
 
 def warm_up() -> None:
-    """Compile the C loop in a background (non-daemon) thread, so the first round does not wait."""
-    LOOP.warm_up("fc-fcds-init")
+    """Compile the C loop, and every other C loop, in the background, so the first round does
+    not wait (:func:`flatcake.native_loop.warm_up_all`)."""
+    LOOP.warm_up()
 
 
 def fcds_host_at(host: np.ndarray, starts, chunk_bytes: int) -> np.ndarray:

@@ -6,7 +6,6 @@ import errno
 import logging
 import os
 import threading
-import time
 
 import pytest
 import torch
@@ -109,7 +108,9 @@ def test_a_full_disk_while_creating_pool_files_is_logged_once_and_retried_when_r
     assert store.snapshot_stats()["media"]["ssd"]["state"] == "degraded"
     assert sorted(os.listdir(ssd_dir)).count(f"{store.ssd.prefix}-00001.pool") == 0  # no half-created file
     state["full"] = False
-    time.sleep(1.05)  # the next check of the filesystem's free space
+    from flatcake.media import drives
+
+    monkeypatch.setattr(drives, "CREATE_RETRY_CHECK_S", 0.0)  # the next put checks the free space again
     for s in range(80, 100):
         put_pages(store, pool, lay, [f"f{s}-0"], [0])
     assert store.page_info("f99-0").file_index >= 1 and store.ssd.health() == "healthy"  # no restart
@@ -119,25 +120,38 @@ def test_a_full_disk_while_creating_pool_files_is_logged_once_and_retried_when_r
 
 # ---------------------------------------------------------------- 4. admission, and one writer per key
 def test_two_threads_putting_the_same_new_keys_write_them_once(ssd_dir, monkeypatch):
+    """The first put's write waits until the second put has asked for the same keys (its claim),
+    so the two puts overlap on every run, however loaded the machine."""
     store, pool, lay = make_store(ssd_dir)
-    real = store.ssd.write
-
-    def slow_write(*a):
-        time.sleep(0.05)
-        real(*a)
-
-    monkeypatch.setattr(store.ssd, "write", slow_write)
     keys = [f"d{i}" for i in range(6)]
     for i, k in enumerate(keys):
         put_pages(store, pool, lay, [k], [i])  # fill the pages once ...
     store.clear()
+    claims, real_claim, real_write = store.scopes.claims, store.scopes.claims.claim, store.ssd.write
+    asked, both_asked, writes = [], threading.Event(), []
+
+    def claim(ks, *a, **kw):
+        asked.append(list(ks))
+        if len(asked) == 2:
+            both_asked.set()
+        return real_claim(ks, *a, **kw)
+
+    def write_when_both_asked(*a):
+        writes.append(len(asked))
+        if len(writes) == 1:
+            assert both_asked.wait(60), "the second put never asked for the keys"
+        real_write(*a)
+
+    monkeypatch.setattr(claims, "claim", claim)
+    monkeypatch.setattr(store.ssd, "write", write_when_both_asked)
     results = []
     ts = [threading.Thread(target=lambda: results.append(store.put(keys, lay, list(range(6))))) for _ in range(2)]
     for t in ts:
         t.start()
     for t in ts:
-        t.join()
-    assert results == [[True] * 6, [True] * 6]
+        t.join(120)
+    assert not any(t.is_alive() for t in ts)
+    assert results == [[True] * 6, [True] * 6] and asked == [keys, keys]
     assert store.snapshot_stats()["pages_written_ssd"] == 6 + 6  # ... then each key once more, not twice
     assert store.get(keys, lay, list(range(10, 16))) == [True] * 6
     store.close()

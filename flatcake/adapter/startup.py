@@ -8,7 +8,10 @@ i.e. once the page size in bytes is known:
   and the smallest value that would do;
 * :func:`startup_line` is the one line each rank logs (logger ``flatcake``, INFO): resolved
   capacity per medium, the I/O engine and the pool identity (directory, file prefix, and the
-  DP rank and slot or ``ssd.pool_id`` it was named by, :mod:`flatcake.adapter.identity`);
+  DP rank and slot or ``ssd.pool_id`` it was named by, :mod:`flatcake.adapter.identity`), and
+  each C loop's state (:func:`native_summary`, :mod:`flatcake.native_loop`);
+* :func:`native_warning` is the WARNING logged when a C loop fell back (named, with its reason)
+  or still compiles;
 * :func:`default_path_warning` is the WARNING logged when ``ssd.path`` was left to its default;
 * :func:`prefix_keys_warning` is the WARNING logged when SGLang runs with
   ``hicache_storage_pass_prefix_keys`` off (placement then cannot see sessions).
@@ -69,7 +72,7 @@ def _size(n: int) -> str:
 
 def startup_line(stats: Mapping, *, ssd_path: str, pool_prefix: str, file_bytes: int, max_files: int,
                  pinned: bool, direct_io: bool, page_bytes: int, ranks: str, role: str,
-                 pool_identity: str = "") -> str:
+                 pool_identity: str = "", native_loops: Optional[Mapping] = None) -> str:
     """The one start-up line of a rank: what it serves and where.
 
     Args:
@@ -87,6 +90,8 @@ def startup_line(stats: Mapping, *, ssd_path: str, pool_prefix: str, file_bytes:
         page_bytes: bytes of one page (all layers).
         ranks: the rank this instance serves, e.g. ``"tp 0/8 pp 0/1 dp 0"``.
         role: ``single``, ``writer`` or ``follower`` (MLA with TP > 1).
+        native_loops: :func:`flatcake.native_loop.report` (each C loop's state), listed at the
+            end (:func:`native_summary`); ``None``: not listed.
 
     Returns:
         One line, no newline.
@@ -101,7 +106,34 @@ def startup_line(stats: Mapping, *, ssd_path: str, pool_prefix: str, file_bytes:
     return (f"flatcake: per-rank capacity ({ranks}, {role}): DRAM {_size(dram)}, "
             f"{'pinned' if pinned else 'not pinned'}; SSD {_size(ssd)} = {max_files} x {file_bytes}-byte files, "
             f"{'direct' if direct_io else 'buffered'} I/O; I/O engine {stats.get('cio_engine', '?')}; "
-            f"pool {pool_prefix} in {where}{f' ({pool_identity})' if pool_identity else ''}; page {page_bytes} bytes")
+            f"pool {pool_prefix} in {where}{f' ({pool_identity})' if pool_identity else ''}; page {page_bytes} bytes"
+            + (f"; {native_summary(native_loops)}" if native_loops is not None else ""))
+
+
+def native_summary(loops: Mapping) -> str:
+    """Every C loop by state, e.g. ``C loops native (restore, plan, gather, write, xxh3, fcds),
+    off (zero_copy)``; ``loops``: :func:`flatcake.native_loop.report`."""
+    groups: dict = {}
+    for name, r in loops.items():
+        groups.setdefault(r["state"], []).append(name)
+    return "C loops " + ", ".join(f"{state.upper() if state == 'fallback' else state} ({', '.join(names)})"
+                                  for state, names in groups.items())
+
+
+def native_warning(loops: Mapping) -> Optional[str]:
+    """The WARNING to log when a C loop fell back (each named with its reason) or is still
+    compiling after the start-up's wait, else None; ``loops``: :func:`flatcake.native_loop.report`."""
+    fell = [f"{n} ({r['reason']})" for n, r in loops.items() if r["state"] == "fallback"]
+    pending = [f"{n} ({r['reason']})" for n, r in loops.items() if r["state"] == "pending"]
+    parts = []
+    if fell:
+        parts.append("C loops fell back to Python: " + "; ".join(fell) + ". The fallbacks give the same bytes, "
+                     "several times slower (writes at about 0.5 GB/s); python -m flatcake.native checks the "
+                     "build environment")
+    if pending:
+        parts.append("C loops still compiling: " + "; ".join(pending) + ". Their fallbacks run until they are "
+                     "ready (a failure is logged then)")
+    return ("flatcake: " + " | ".join(parts)) if parts else None
 
 
 def default_path_warning(ssd_path: str, environ: Optional[Mapping[str, str]] = None) -> Optional[str]:

@@ -39,8 +39,10 @@ from flatcake.adapter.identity import (PoolIdentity, base_identity, dp_rank_of, 
                                        open_pool, rank_port_offset, rank_values, sglang_replica)
 from flatcake.adapter.cluster_hook import start_member, stop_member
 from flatcake.adapter.cluster_walk import hit_run, read_run
-from flatcake.adapter.startup import check_file_bytes, default_path_warning, prefix_keys_warning, startup_line
-from flatcake.media.pool_dir import ensure_pool_dir
+from flatcake.adapter.startup import (check_file_bytes, default_path_warning, native_warning, prefix_keys_warning,
+                                      startup_line)
+from flatcake import native_loop
+from flatcake.media.pool_dir import check_pool_dir
 from flatcake.metrics import REFRESH_S, SGLANG_METHODS, make_exporter
 from flatcake.store import MediumSummary, PageStore
 
@@ -125,7 +127,9 @@ class FlatCakeStorage(HybridPoolsMixin, HiCacheStorage):
         # cluster.advertise's port + this rank's offset (one data plane per rank)
         ranks = rank_values(storage_config, self.replica)
         self.cfg: FlatCakeConfig = expand_advertise(expand_ssd_paths(cfg, ranks), rank_port_offset(storage_config, ranks))
-        ensure_pool_dir(self.cfg.ssd.path)  # fail at construction, naming ssd.path
+        # fail at construction, naming ssd.path, without creating it: a missing drive directory of
+        # an existing pool is a drive that is not mounted (flatcake.media.ssd.SsdFilePool decides)
+        check_pool_dir(self.cfg.ssd.path)
         #: this process's pool identity (:mod:`flatcake.adapter.identity`), once registered
         self.identity: Optional[PoolIdentity] = None
         self.store: Optional[PageStore] = None
@@ -196,16 +200,20 @@ class FlatCakeStorage(HybridPoolsMixin, HiCacheStorage):
 
     def _log_startup(self, role: str, ident: PoolIdentity) -> None:
         """Log this rank's start-up line (INFO) and a WARNING each when ``ssd.path`` is the
-        per-user default or SGLang passes no prefix keys (:mod:`flatcake.adapter.startup`); the
-        namespace goes to DEBUG."""
+        per-user default, SGLang passes no prefix keys or a C loop fell back or still compiles
+        (:mod:`flatcake.adapter.startup`); the namespace goes to DEBUG. Waits for the C loops'
+        builds first, at most :data:`flatcake.native_loop.WAIT_S` seconds."""
         sc, store = self.storage_config, self.store
         ranks = (f"tp {sc.tp_rank}/{sc.tp_size} pp {sc.pp_rank}/{sc.pp_size} {ident.base}" if sc else ident.base)
+        native_loop.wait_all()
+        loops = native_loop.report()
         log.info("%s", startup_line(
             store.snapshot_stats(), ssd_path=self.cfg.ssd.path, pool_prefix=store.ssd.prefix,
             pool_identity=ident.describe(),
             file_bytes=self.cfg.ssd.file_bytes, max_files=self.cfg.ssd.max_files, pinned=store.dram.pinned,
-            direct_io=store.ssd.direct_io, page_bytes=self.layout.geometry.page_bytes, ranks=ranks, role=role))
-        for warning in (default_path_warning(self.cfg.ssd.path), prefix_keys_warning()):
+            direct_io=store.ssd.direct_io, page_bytes=self.layout.geometry.page_bytes, ranks=ranks, role=role,
+            native_loops=loops))
+        for warning in (default_path_warning(self.cfg.ssd.path), prefix_keys_warning(), native_warning(loops)):
             if warning:
                 log.warning("%s", warning)
         log.debug("flatcake: namespace %s: %s", self.namespace, store.describe())
@@ -447,9 +455,11 @@ class FlatCakeStorage(HybridPoolsMixin, HiCacheStorage):
         FC-MAS plugin drives the prefetches also ``mas_lanes``
         (:meth:`flatcake.mas.lanes.Lanes.stats`: prefetches per lane, overtakes). Always
         ``sglang_calls`` (:meth:`CallCounters.snapshot`: SGLang's calls per method, since this
-        backend was created, also before registration)."""
+        backend was created, also before registration) and ``native_loops``
+        (:func:`flatcake.native_loop.report`: each C loop's ``state`` and ``reason``)."""
         d = self.store.snapshot_stats() if self.store is not None else {}
         d["sglang_calls"] = self.calls.snapshot()
+        d["native_loops"] = native_loop.report()
         if self.cluster is not None:
             d["cluster"] = self.cluster.stats()
         lanes = self.prefetch_lanes

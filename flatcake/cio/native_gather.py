@@ -56,9 +56,9 @@ void fc_gather_hash(void *xh, void *fh, uint8_t *out, int64_t n, int64_t L, int6
 def _build():
     """The bound ``fc_gather_hash`` (with the xxh3 and device-checksum loops' addresses), or
     ``(None, why)``."""
-    fc = fcds_native.LOOP.fn()
+    fc = fcds_native.LOOP.wait_built()
     if fc is None:
-        return None, "the device checksum's C loop is not compiled"
+        return None, "needs the device checksum's C loop (fcds), which is not in use"
     xaddr, why = xxh3_address()
     if xaddr is None:
         return None, why
@@ -70,11 +70,12 @@ def _build():
         [ctypes.c_void_p] * 2
     fn.restype = None
     faddr = ctypes.cast(fc, ctypes.c_void_p).value
-    return (lambda *a: (fc, fn(xaddr, faddr, *a))), ""  # the closure keeps both libraries loaded
+    return (lambda *a: (fc, fn(xaddr, faddr, *a))), why  # the closure keeps both libraries loaded
 
 
 #: the C gather (``FLATCAKE_NATIVE_GATHER=0`` turns it off)
-LOOP = NativeLoop(_build, "FLATCAKE_NATIVE_GATHER", "FlatCake round gather: numpy copies, then the hash loops")
+LOOP = NativeLoop(_build, "FLATCAKE_NATIVE_GATHER", "FlatCake round gather: numpy copies, then the hash loops",
+                  name="gather")
 
 
 def gather_and_hash(layout, page_ids, out: np.ndarray) -> Optional[tuple[np.ndarray, np.ndarray]]:

@@ -18,8 +18,9 @@ python-xxhash library's own ``XXH3_64bits``) matches; a failed chunk's slots are
 its tag reported; I/O errors are logged once with their errno. Used for the POSIX engine on
 host staging with host layouts whose token rows are contiguous; anything else (kvikio, CUDA
 staging, reads-only mode, an O_DIRECT refusal at read time, no C compiler,
-``FLATCAKE_NATIVE_RESTORE=0``) takes the Python pipeline. Where every chunk's planes are
-contiguous and aligned in the slots (``layer_first``, ``page_first_direct``), the call reads
+``FLATCAKE_NATIVE_RESTORE=0``, a restore while the C loop still compiles) takes the Python
+pipeline; the loop's state is reported (:func:`flatcake.native_loop.report`). Where every
+chunk's planes are contiguous and aligned in the slots (``layer_first``, ``page_first_direct``), the call reads
 straight into them instead (:mod:`flatcake.cio.native_zero_copy`; ``FLATCAKE_ZERO_COPY=0``:
 this staging path), where a failed chunk's slots hold undefined bytes.
 """
@@ -44,7 +45,7 @@ from flatcake.cio.native_zero_copy import ARGTYPES as ZC_ARGTYPES, ZeroCopy
 from flatcake.cio.native_zero_copy_c import ZC_SOURCE
 from flatcake.cio.plan import ChunkBatch, batch_reads, plan_reads
 from flatcake.cio.xxh3_bulk import xxh3_address
-from flatcake.native_loop import NativeLoop, compile_shim
+from flatcake.native_loop import NativeLoop, compile_shim, warm_up_all
 
 _I64 = ctypes.c_int64
 
@@ -79,11 +80,26 @@ def _build():
     zc = lib.fc_zc_run  # the zero-copy restore (flatcake.cio.native_zero_copy)
     zc.argtypes, zc.restype = ZC_ARGTYPES, _I64
     run.plan, run.zc = plan, zc  # the closure and the attributes keep the library loaded
-    return run, ""
+    return run, why
 
 
 #: the C restore (``FLATCAKE_NATIVE_RESTORE=0`` turns it off)
-LOOP = NativeLoop(_build, "FLATCAKE_NATIVE_RESTORE", "FC-CIO restore: Python pipeline (per-piece threads)")
+LOOP = NativeLoop(_build, "FLATCAKE_NATIVE_RESTORE", "FC-CIO restore: Python pipeline (per-piece threads)",
+                  name="restore")
+
+
+def _build_plan():
+    """The restore's plan (``fc_restore_plan``, compiled in the restore's library), or ``(None, why)``."""
+    run = LOOP.wait_built()
+    if run is None:
+        return None, "in the restore's library, which is not in use"
+    return run.plan, ""
+
+
+#: the plan's state in :func:`flatcake.native_loop.report` (the same library as :data:`LOOP`;
+#: :meth:`NativeRestore.plan_arrays` calls it through ``LOOP.fn().plan``)
+PLAN = NativeLoop(_build_plan, "FLATCAKE_NATIVE_RESTORE", "FC-CIO restore plan: Python (with the Python pipeline)",
+                  name="plan")
 
 
 def _a(x: np.ndarray) -> int:
@@ -219,7 +235,11 @@ class NativeRestore:
     def __init__(self, engine, posix):
         self.engine = engine
         self.posix = posix
-        LOOP.fn()  # compiled here, at start-up (~0.1 s once per process), not in the first restore
+        # every C loop compiled in the background from here (start-up); this one waited for
+        # (~0.5 s once per process) at most native_loop.WAIT_S seconds, so that the first
+        # restore finds it ready and a hung compiler never holds the start-up
+        warm_up_all()
+        LOOP.fn()
         #: threads of the last call that ran in Linux's SCHED_IDLE class (``cio.thread_policy``)
         self.idle_threads = 0
         #: restores read straight into the slots (``zero_copy.calls``; :mod:`flatcake.cio.native_zero_copy`)
@@ -401,4 +421,4 @@ def _reference(sts: list) -> dict:
     return r
 
 
-__all__ = ["LOOP", "DestArgs", "NativeRestore", "dest_args", "distinct_pages", "dst_table"]
+__all__ = ["LOOP", "PLAN", "DestArgs", "NativeRestore", "dest_args", "distinct_pages", "dst_table"]

@@ -66,9 +66,9 @@ def _build():
     ``(None, why)`` (no C restore, no streaming XXH3)."""
     from flatcake.cio.native_restore import LOOP
 
-    base = LOOP.fn()
+    base = LOOP.wait_built()
     if base is None:
-        return None, "no C restore"
+        return None, "needs the C restore, which is not in use"
     addrs, why = hash_addresses()
     if addrs is None:
         return None, why
@@ -83,7 +83,7 @@ def _build():
 #: the zero-copy C restore: off unless ``FLATCAKE_ZERO_COPY=1`` — with huge-page staging windows
 #: the staging path restores faster at the same CPU per GB (docs/performance.md, "The full sweep")
 LOOP = NativeLoop(_build, "FLATCAKE_ZERO_COPY", "FC-CIO restore: staging copy for every restore (no zero copy)",
-                  default_on=False)
+                  default_on=False, name="zero_copy")
 
 
 def eligible(table, geometry, chunk_bytes: int, align: int = ALIGN) -> bool:

@@ -12,7 +12,8 @@ into a temporary directory, loaded through :mod:`ctypes`, the files removed righ
 ``XXH3_64bits`` from the *installed* python-xxhash extension (the same library, so the same
 bits as ``xxh3_64_intdigest(seed=0)``), for every chunk, in one ctypes call that releases the
 GIL. Where no C compiler is available, or the xxhash extension does not export
-``XXH3_64bits``, it falls back to the Python loop (same results; logged once at INFO).
+``XXH3_64bits``, it falls back to the Python loop (same results; logged once at WARNING and
+reported as the ``xxh3`` loop's state, :mod:`flatcake.native_loop`).
 """
 
 from __future__ import annotations
@@ -74,11 +75,11 @@ def _build():
     fn.restype = cp.restype = None
     bound = functools.partial(fn, addr)  # the function objects keep their library loaded
     bound.copy = functools.partial(cp, addr)
-    return bound, ""
+    return bound, why
 
 
 #: the C loop (``FLATCAKE_NATIVE_XXH3=0`` turns it off)
-LOOP = NativeLoop(_build, "FLATCAKE_NATIVE_XXH3", "FlatCake checksums: per-chunk Python loop")
+LOOP = NativeLoop(_build, "FLATCAKE_NATIVE_XXH3", "FlatCake checksums: per-chunk Python loop", name="xxh3")
 
 
 def native() -> bool:
@@ -87,9 +88,10 @@ def native() -> bool:
 
 
 def warm_up() -> None:
-    """Compile and load the native loop in a background thread (called at start-up, so the
-    first put or restore does not wait for the compiler; a call that comes first waits)."""
-    LOOP.warm_up("fc-xxh3-init")
+    """Compile and load the native loop, and every other C loop, in the background (called at
+    start-up, so the first put or restore does not wait for the compiler; a call that comes
+    first waits at most :data:`flatcake.native_loop.WAIT_S` seconds, then runs the fallback)."""
+    LOOP.warm_up()
 
 
 def xxh3_at(host: np.ndarray, starts, chunk_bytes: int) -> np.ndarray:

@@ -30,16 +30,16 @@ def test_a_burst_of_dram_hits_is_served_while_one_huge_restore_runs():
     lanes = MediumAwareLanes(ssd_workers=1)
     release, log = threading.Event(), []
     t0 = time.monotonic()
-    big = op("huge", t0, 4096 * MiB, run=lambda: release.wait(10), log=log)
+    big = op("huge", t0, 4096 * MiB, run=lambda: release.wait(60), log=log)
     lanes.submit(big)
     small = [op(f"d{i}", t0 + 0.001 * (i + 1), log=log) for i in range(20)]
     for o in small:
         lanes.submit(o)
-    assert all(o.wait(5) for o in small)  # all done while the restore is still blocked
+    assert all(o.wait(60) for o in small)  # all done while the restore is still blocked
     assert not big.wait(0) and [e for e in log if e[0] == "done"] == [("done", f"d{i}") for i in range(20)]
     assert {o.lane for o in small} == {"dram"} and big.lane == "ssd"
     release.set()
-    assert big.wait(5)
+    assert big.wait(60)
     lanes.close()
     # every DRAM hit passed the one restore submitted before it; the restore passed nothing
     assert lanes.stats() == {"lanes": "mas", "dram": 20, "ssd": 1, "fifo": 0, "overtakes": 20, "overtaken": 20}
@@ -47,38 +47,56 @@ def test_a_burst_of_dram_hits_is_served_while_one_huge_restore_runs():
 
 def test_fifo_ablation_makes_the_dram_hits_wait_for_the_restore():
     lanes = FifoLanes()
-    release, log = threading.Event(), []
+    started, release, log = threading.Event(), threading.Event(), []
     t0 = time.monotonic()
-    big = op("huge", t0, 4096 * MiB, run=lambda: release.wait(10), log=log)
+    big = op("huge", t0, 4096 * MiB, run=lambda: (started.set(), release.wait(60)), log=log)
     lanes.submit(big)
     small = [op(f"d{i}", t0 + 0.001, log=log) for i in range(3)]
     for o in small:
         lanes.submit(o)
-    assert not any(o.wait(0.3) for o in small)  # stuck behind the restore, as in SGLang
+    assert started.wait(60)
+    assert not any(o.wait(0) for o in small) and log == []  # stuck behind the restore, as in SGLang
     release.set()
-    assert all(o.wait(5) for o in small)
-    assert [e[1] for e in log if e[0] == "done"] == ["huge", "d0", "d1", "d2"]
+    assert all(o.wait(60) for o in small)
+    # the DRAM hits ran only after the restore ended: nothing passed it
+    assert log == [("run", "huge"), ("done", "huge")] + [(e, f"d{i}") for i in range(3) for e in ("run", "done")]
     lanes.close()
     assert lanes.stats() == {"lanes": "fcfs", "dram": 0, "ssd": 0, "fifo": 4, "overtakes": 0, "overtaken": 0}
 
 
 def test_a_huge_restore_keeps_being_served_while_dram_hits_keep_arriving():
     """The DRAM lane has its own thread: a stream of DRAM-only prefetches never takes the SSD
-    restore's slot, so the restore starts at once and finishes while the stream goes on."""
+    restore's slot. The restore reads 20 chunks and each waits for the next DRAM hit to be
+    served first, so both lanes must make progress in turn, whatever the machine's load: the
+    restore runs while the stream goes on, and every hit is served while the restore is in
+    flight."""
     lanes = MediumAwareLanes(ssd_workers=1)
-    chunks = []
+    hit_served, chunk_read = threading.Semaphore(0), threading.Semaphore(0)
+    chunks, events = [], []
+
+    def restore():
+        for k in range(20):
+            assert hit_served.acquire(timeout=60), "no DRAM hit was served while the restore ran"
+            chunks.append(k)
+            events.append(("chunk", k))
+            chunk_read.release()
+
     t0 = time.monotonic()
-    big = op("huge", t0, 4096 * MiB, run=lambda: [chunks.append(time.sleep(0.01)) for _ in range(20)])
+    big = op("huge", t0, 4096 * MiB, run=restore)
     lanes.submit(big)
     stream = []
-    while not big.wait(0):  # DRAM hits arrive back to back for as long as the restore runs
-        o = op(f"d{len(stream)}", time.monotonic())
+    for k in range(20):  # a DRAM hit, then a chunk of the restore, and so on
+        o = op(f"d{k}", time.monotonic())
         lanes.submit(o)
+        assert o.wait(60), "a DRAM hit waited behind the restore"
+        events.append(("hit", k))
         stream.append(o)
-        time.sleep(0.002)
-        assert time.monotonic() - t0 < 10, "the restore was starved"
-    assert len(chunks) == 20 and big.started_s - big.submitted_s < 0.1
-    assert len(stream) > 20 and all(o.wait(5) for o in stream)
+        hit_served.release()
+        assert chunk_read.acquire(timeout=60), "the restore was starved"
+    assert big.wait(60) and chunks == list(range(20))
+    assert events == [(e, k) for k in range(20) for e in ("hit", "chunk")]
+    assert all(big.started_s <= o.finished_s <= big.finished_s for o in stream[1:])  # d0 may come first
+    assert {o.lane for o in stream} == {"dram"} and big.lane == "ssd"
     lanes.close()
 
 
@@ -88,41 +106,41 @@ def test_a_huge_restore_waits_only_for_the_backlog_of_small_restores_ahead_of_it
     lanes = MediumAwareLanes(ssd_workers=1)
     gate, order = threading.Event(), []
     t0 = time.monotonic()
-    lanes.submit(op("first", t0, 8 * MiB, run=lambda: gate.wait(10)))
+    lanes.submit(op("first", t0, 8 * MiB, run=lambda: gate.wait(60)))
     huge = op("huge", t0, 4096 * MiB, run=lambda: order.append("huge"))
     lanes.submit(huge)
     backlog = [op(f"s{i}", t0, MiB, run=lambda i=i: order.append(f"s{i}")) for i in range(5)]
     for o in backlog:
         lanes.submit(o)
     gate.set()
-    assert huge.wait(5)
+    assert huge.wait(60)
     late = [op(f"late{i}", time.monotonic(), MiB, run=lambda i=i: order.append(f"late{i}")) for i in range(5)]
     for o in late:
         lanes.submit(o)
-    assert all(o.wait(5) for o in backlog + late)
+    assert all(o.wait(60) for o in backlog + late)
     assert order.index("huge") == 5 and sorted(order[:5]) == [f"s{i}" for i in range(5)]
     lanes.close()
 
 
 def test_small_restores_go_first_among_those_waiting_equally():
     lanes = MediumAwareLanes(ssd_workers=1)
-    gate, order = threading.Event(), []
+    started, gate, order = threading.Event(), threading.Event(), []
     t0 = time.monotonic()
-    lanes.submit(op("blocker", t0, MiB, run=lambda: gate.wait(10)))
+    lanes.submit(op("blocker", t0, MiB, run=lambda: (started.set(), gate.wait(60))))
+    assert started.wait(60)  # the one restore slot is taken: the next two wait together
     big = op("big", t0, 1024 * MiB, run=lambda: order.append("big"))
     little = op("little", t0, 1 * MiB, run=lambda: order.append("little"))
     lanes.submit(big)
     lanes.submit(little)
-    time.sleep(0.05)
     gate.set()
-    assert big.wait(5) and little.wait(5)
+    assert big.wait(60) and little.wait(60)
     assert order == ["little", "big"]
     lanes.close()
 
 
 def test_a_finished_restore_is_announced_in_arrival_order_and_a_raising_op_still_completes(caplog):
     lanes = MediumAwareLanes(ssd_workers=2)
-    gate, done = threading.Event(), []
+    done = []
     t0 = time.monotonic()
 
     def boom():
@@ -130,7 +148,7 @@ def test_a_finished_restore_is_announced_in_arrival_order_and_a_raising_op_still
 
     a = LaneOp("a", t0, 0, 2, 2 * MiB, boom, on_done=lambda o: done.append(o.request_id))
     lanes.submit(a)
-    assert a.wait(5) and done == ["a"] and a.finished_s >= a.started_s
+    assert a.wait(60) and done == ["a"] and a.finished_s >= a.started_s
     assert "read failed" in caplog.text
     lanes.close()
 
@@ -145,13 +163,13 @@ def test_a_refused_submit_leaves_nothing_half_queued_and_close_returns():
     lanes = MediumAwareLanes(ssd_workers=1)
     gate, log = threading.Event(), []
     t0 = time.monotonic()
-    lanes.submit(op("a", t0, 4 * MiB, run=lambda: gate.wait(5), log=log))
+    lanes.submit(op("a", t0, 4 * MiB, run=lambda: gate.wait(60), log=log))
     with pytest.raises(ValueError, match="already scheduled"):
         lanes.submit(op("a", t0, 4 * MiB, log=log))  # same id while the first is in flight
     gate.set()
     closer = threading.Thread(target=lanes.close)
     closer.start()
-    closer.join(10)
+    closer.join(60)
     assert not closer.is_alive() and log == [("run", "a"), ("done", "a")]
 
 
@@ -164,11 +182,11 @@ def test_an_announcement_that_raises_never_ends_the_dram_lane(caplog):
 
     first = LaneOp("x", t0, 4, 0, 0, lambda: None, on_done=bad_done)
     lanes.submit(first)
-    assert first.wait(5)
+    assert first.wait(60)
     later = [op(f"d{i}", t0 + i, log=log) for i in range(2)] + [op("s", t0 + 3, 4 * MiB, log=log)]
     for o in later:
         lanes.submit(o)
-    assert all(o.wait(5) for o in later)
+    assert all(o.wait(60) for o in later)
     assert [e for e in log if e[0] == "done"] == [("done", "d0"), ("done", "d1"), ("done", "s")]
     assert "ack queue gone" in caplog.text
     lanes.close()
