@@ -1,5 +1,6 @@
 """Warm restart (paper §3.1 index, §3.3 self-describing rounds): a store that opens a pool it
-wrote before serves every committed SSD page again, bit for bit, and nothing else."""
+wrote before serves every committed SSD page again, bit for bit, and nothing else. Every test
+runs with the default write queue and without it (``ssd.write_backlog_bytes: 0``)."""
 
 import os
 
@@ -12,11 +13,23 @@ from flatcake.gva.address import OFFSET_MASK
 from flatcake.media import extent as fmt
 
 
-def make_store(ssd_dir, **kw):
-    """``testkit.make_store`` with synchronous SSD writes (``ssd.write_backlog_bytes: 0``): these tests
-    check what a put leaves on disk and in the journal when it returns (warm restart, torn rounds,
-    journal size)."""
-    return testkit.make_store(ssd_dir, **{"ssd.write_backlog_bytes": 0, **kw})
+WRITE_MODES = {"queue": {},  # the default: a put returns once its round is queued; close() drains the queue
+               "sync": {"ssd.write_backlog_bytes": 0}}  # the put writes its round itself
+
+
+@pytest.fixture(params=list(WRITE_MODES))
+def make_store(request):
+    """``testkit.make_store`` in each write mode (docs/durability.md, "Write ordering"). A clean
+    close writes what the queue holds, so a restart serves every page whose put returned True in
+    both; a test that inspects what is on disk (index entries, rounds, the journal) before the
+    close first waits for the queue (:func:`on_disk`)."""
+    mode = WRITE_MODES[request.param]
+    return lambda ssd_dir, **kw: testkit.make_store(ssd_dir, **{**mode, **kw})
+
+
+def on_disk(store) -> None:
+    """Wait until every queued round is written and journaled (at once without a queue)."""
+    assert store.flush_writes(60)
 
 
 def sessions(n_sessions, pages):
@@ -35,7 +48,7 @@ def served(store, pool, lay, keys, first_page=40) -> list[bool]:
     return [ok and page_matches(pool, (first_page + i) * pool.page_size, k) for i, (ok, k) in enumerate(zip(got, keys))]
 
 
-def test_restart_serves_every_committed_ssd_page_and_no_dram_page(ssd_dir):
+def test_restart_serves_every_committed_ssd_page_and_no_dram_page(make_store, ssd_dir):
     store, pool, lay = make_store(ssd_dir, **{"dram.capacity_bytes": 1 << 20})
     sess = sessions(5, 6)
     fill(store, pool, lay, sess)
@@ -56,10 +69,11 @@ def test_restart_serves_every_committed_ssd_page_and_no_dram_page(ssd_dir):
     store.close()
 
 
-def test_rebuilt_pages_are_checked_even_with_verification_off(ssd_dir):
+def test_rebuilt_pages_are_checked_even_with_verification_off(make_store, ssd_dir):
     store, pool, lay = make_store(ssd_dir, **{"cio.verify_checksums": False})
     keys = ["v0", "v1", "v2"]
     put_pages(store, pool, lay, keys, range(3))
+    on_disk(store)
     e = store.index.get("v1")
     path, off = store.ssd.path_of((e.gva & OFFSET_MASK) // store.ssd.file_bytes), (e.gva & OFFSET_MASK) % store.ssd.file_bytes
     store.close()
@@ -75,7 +89,7 @@ def test_rebuilt_pages_are_checked_even_with_verification_off(ssd_dir):
     store.close()
 
 
-def test_another_namespace_is_never_served_and_its_pool_is_left_alone(ssd_dir):
+def test_another_namespace_is_never_served_and_its_pool_is_left_alone(make_store, ssd_dir):
     store, pool, lay = make_store(ssd_dir)
     put_pages(store, pool, lay, ["n0", "n1"], [0, 1])
     prefix = store.ssd.prefix
@@ -90,11 +104,12 @@ def test_another_namespace_is_never_served_and_its_pool_is_left_alone(ssd_dir):
 
 
 @pytest.mark.parametrize("damage", ["record", "truncate"])
-def test_a_torn_last_round_is_a_miss_and_every_earlier_round_is_served(ssd_dir, damage):
+def test_a_torn_last_round_is_a_miss_and_every_earlier_round_is_served(make_store, ssd_dir, damage):
     store, pool, lay = make_store(ssd_dir)
     r1, r2 = ["t0", "t1"], ["t2", "t3"]
     put_pages(store, pool, lay, r1, [0, 1])
     put_pages(store, pool, lay, r2, [2, 3], r1)
+    on_disk(store)
     last = store.index.get("t2").scope.rounds[-1]
     hdr = fmt.unpack_round_header(store.ssd.read_at(last.file_index, last.round_offset, fmt.BLOCK))
     path = store.ssd.path_of(last.file_index)
@@ -112,9 +127,10 @@ def test_a_torn_last_round_is_a_miss_and_every_earlier_round_is_served(ssd_dir, 
     store.close()
 
 
-def test_rebuild_reads_only_the_records(ssd_dir, monkeypatch):
+def test_rebuild_reads_only_the_records(make_store, ssd_dir, monkeypatch):
     store, pool, lay = make_store(ssd_dir)
     fill(store, pool, lay, sessions(4, 8))
+    on_disk(store)
     rounds = [e for sc in store.index.scopes.values() for e in sc.rounds]
     store.close()
     reads, listings = [], []
@@ -139,16 +155,19 @@ def test_rebuild_reads_only_the_records(ssd_dir, monkeypatch):
     store.close()
 
 
-def test_a_recovered_session_keeps_growing_after_the_restart(ssd_dir):
+def test_a_recovered_session_keeps_growing_after_the_restart(make_store, ssd_dir):
     store, pool, lay = make_store(ssd_dir)
     keys = [f"g{i}" for i in range(6)]
     put_pages(store, pool, lay, keys[:3], range(3))
+    on_disk(store)
     sid = store.page_info("g0").scope_id
     store.close()
     store, pool, lay = make_store(ssd_dir)
     put_pages(store, pool, lay, keys[3:], range(3, 6), keys[:3])  # the next turn, chained on the tail
+    on_disk(store)
     assert store.page_info("g3").scope_id == sid  # joins the recovered scope
     new = put_pages(store, pool, lay, ["fresh"], [7])
+    on_disk(store)
     assert new == [True] and store.page_info("fresh").scope_id > sid  # ids never collide with disk
     store.close()
     store, pool, lay = make_store(ssd_dir)
@@ -156,9 +175,10 @@ def test_a_recovered_session_keeps_growing_after_the_restart(ssd_dir):
     store.close()
 
 
-def test_a_journal_entry_for_reused_space_is_dropped(ssd_dir):
+def test_a_journal_entry_for_reused_space_is_dropped(make_store, ssd_dir):
     store, pool, lay = make_store(ssd_dir, **{"ssd.max_files": 1})
     put_pages(store, pool, lay, ["old0", "old1"], [0, 1])
+    on_disk(store)  # its ROUND entry in the journal
     journal = store.ssd.journal_path
     store.clear()  # appends RETIRE and frees the space ...
     put_pages(store, pool, lay, ["new0", "new1", "new2"], [2, 3, 4])  # ... which the next scope reuses
@@ -171,12 +191,13 @@ def test_a_journal_entry_for_reused_space_is_dropped(ssd_dir):
     store.close()
 
 
-def test_the_journal_stays_bounded_by_the_live_rounds(ssd_dir, monkeypatch):
+def test_the_journal_stays_bounded_by_the_live_rounds(make_store, ssd_dir, monkeypatch):
     monkeypatch.setattr("flatcake.gva.scopes.COMPACT_MIN_ENTRIES", 8)
     store, pool, lay = make_store(ssd_dir, **{"ssd.file_bytes": 256 << 10, "ssd.max_files": 1,
                                               "ssd.high_watermark": 0.5, "ssd.low_watermark": 0.3})
     for s in range(60):  # far more rounds than fit: reclaim retires most of them
         put_pages(store, pool, lay, [f"j{s}"], [s % 32])
+    on_disk(store)
     live = store.scopes.live_rounds
     assert live < 20
     assert os.path.getsize(store.ssd.journal_path) <= (2 * live + 8 + 2) * jmod.ENTRY_BYTES

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from flatcake.layout import UnsupportedLayoutError
 
 sys.path.insert(0, os.path.dirname(__file__))
 from v2_kit import KINDS, PAGE, PAGES, fill, flat_bytes, matches, put, transfer, zero  # noqa: E402
+from held_writer import HeldWriter  # noqa: E402
 
 
 def write_pages(be, pool, keys, pages, prefix=()):
@@ -198,6 +200,50 @@ def test_a_freed_kv_scope_takes_its_extra_pages_with_it(make_backend):
     assert sw.flush_writes(30)  # pages_indexed counts pages on SSD, not those in the write queue
     st = be.extra_pool_stats()["swa"]
     assert st["reclaimed_scopes_ssd"] == 1 and st["pages_indexed"] == 2
+
+
+def test_a_kv_scope_dropped_while_its_round_is_written_retires_its_extra_pages_when_the_writer_lets_go(
+        make_backend, monkeypatch):
+    """The deferred case of the test above: session a's next KV round is inside the write queue's
+    writer (held there) when its scope is dropped. The scope pinned by that round is only doomed:
+    its KV pages stop being served at once, its SWA pages stay until the writer lets go; then the
+    scope is freed, its retire listeners run, and the SWA pages go with it."""
+    swa = KINDS["swa-page_first"][1]()
+    be, kv = attach(make_backend, {PoolName.SWA: swa})
+    a, b = [f"da{i}" for i in range(4)], [f"db{i}" for i in range(4)]
+    for keys in (a, b):
+        _kv(be, kv, keys)  # (on disk)
+        assert put(be, PoolName.SWA, swa, keys[2:], [2, 3], prefix=keys[:2]) == [True, True]
+    sw = be.extra_pool(PoolName.SWA).store
+    assert sw.flush_writes(30)
+    retired = threading.Event()
+    be.store.add_retire_listener(lambda keys: retired.set())  # after the v2 hook: runs once it ran
+    held = HeldWriter(be.store, monkeypatch)
+    turn = ["da4", "da5"]  # session a's next turn: joins a's scope, queued, then held in the writer
+    assert testkit.write_pages(be, kv, turn, [4, 5], a) == [True, True]
+    assert held.entered.wait(60)
+    try:
+        assert be.store.drop_keys([a[0]]) == 1
+        assert not any(be.store.exists(k) for k in a + turn)  # KV: unpublished at once ...
+        assert all(sw.exists(k) for k in a[2:])  # ... SWA: kept until the scope is freed
+        assert not retired.is_set() and be.store.snapshot_stats()["reclaimed_scopes_ssd"] == 0
+        assert be.batch_get_v1(a, slots_of(kv, range(10, 14))) == [False] * 4
+    finally:
+        held.release()
+    assert retired.wait(60)  # the writer let go: the doomed scope was freed
+    assert not any(sw.exists(k) for k in a[2:]) and all(sw.exists(k) for k in b[2:])
+    assert be.store.flush_writes(30) and not any(be.store.exists(k) for k in turn)  # never published
+    assert be.store.snapshot_stats()["reclaimed_scopes_ssd"] == 1
+    assert sw.flush_writes(30) and be.extra_pool_stats()["swa"]["reclaimed_scopes_ssd"] == 1
+    zero(swa)
+    zero(kv)
+    # nothing stale served (a read is a leading run: one call per session)
+    assert be.batch_get_v2([transfer(PoolName.SWA, swa, a[2:], [20, 21])]) == {PoolName.SWA: [False, False]}
+    assert be.batch_get_v2([transfer(PoolName.SWA, swa, b[2:], [22, 23])]) == {PoolName.SWA: [True, True]}
+    assert matches(swa, 22, b[2]) and matches(swa, 23, b[3])
+    assert be.batch_get_v1(a + turn, slots_of(kv, range(10, 16))) == [False] * 6
+    assert be.batch_get_v1(b, slots_of(kv, range(30, 34))) == [True] * 4
+    assert all(testkit.page_matches(kv, (30 + i) * kv.page_size, k) for i, k in enumerate(b))
 
 
 def test_never_raises_into_sglang_threads(make_backend):
