@@ -197,6 +197,11 @@ class SsdConfig(_WatermarkSection):
     write_backlog_wait_s: float = Field(
         5.0, ge=0, description="seconds a put of a non-one-shot round waits for room in a full write backlog "
                                "(DRAM full too) before it fails")
+    write_defer_max_s: float = Field(
+        1.0, gt=0, description="seconds the oldest queued round may be held back for restores; past it (or with the "
+                               "backlog past write_urgent_fraction) writes share the disk with reads until caught up")
+    write_urgent_fraction: float = Field(
+        0.5, gt=0, le=1, description="backlog fill (of write_backlog_bytes) past which writes stop waiting for reads")
 
     @model_validator(mode="before")
     @classmethod

@@ -1,5 +1,5 @@
-"""FlatCake's own Prometheus metrics: hits by medium, restores, reclaim, health, capacity
-(``docs/metrics.md``).
+"""FlatCake's own Prometheus metrics: hits by medium, restores, reclaim, health, capacity,
+the C loops' states (``docs/metrics.md``).
 
 SGLang's storage histograms (``sglang:prefetch_pgs`` ...) see only what ``get_stats()`` reports
 per call. This module exports FlatCake's cumulative view of one
@@ -24,6 +24,8 @@ import logging
 import threading
 from typing import Optional
 
+from flatcake.native_loop import STATES as NATIVE_STATES
+
 log = logging.getLogger("flatcake")
 
 #: prefix of every FlatCake metric name
@@ -35,6 +37,8 @@ BASE_LABELS = ("pool", "tp_rank", "pp_rank", "dp_rank")
 REFRESH_S = 1.0
 #: the states a medium reports (``flatcake_medium_state``)
 MEDIUM_STATES = ("healthy", "degraded", "disabled")
+#: the states a C loop reports (``flatcake_native_loop_state``)
+NATIVE_LOOP_STATES = NATIVE_STATES
 #: the backend methods whose SGLang calls are counted (``flatcake_sglang_*``), each with the
 #: ``what`` label of its answer (counted by ``flatcake.adapter.storage.CallCounters``)
 SGLANG_METHODS = {"batch_exists": "present", "batch_get_v1": "delivered", "batch_set_v1": "stored",
@@ -64,8 +68,10 @@ _COUNTERS = {
     "reclaimed_scopes": ("Whole scopes freed (reclaim, clear, faults), per medium.",
                          [("reclaimed_scopes_dram", ("dram",)), ("reclaimed_scopes_ssd", ("ssd",))], ("medium",)),
     "reclaimed_bytes": ("Medium bytes the reclaimed scopes held.", [("reclaimed_bytes", ())], ()),
-    "quarantined_scopes": ("Scopes dropped because a page of theirs failed to read intact.",
+    "quarantined_scopes": ("Scopes that lost pages because a page of theirs failed to read intact.",
                            [("quarantined_scopes", ())], ()),
+    "quarantined_pages": ("Pages unpublished after failed reads (the failed round and the rounds after it).",
+                          [("quarantined_pages", ())], ()),
     "io_errors": ("I/O errors logged (each counted, logged once per errno).", [("io_errors", ())], ()),
     "checksum_failures": ("Chunks whose checksum or DRAM identity did not match on read.",
                           [("checksum_failures", ())], ()),
@@ -106,8 +112,14 @@ _GAUGES = {
     "scopes": ("Scopes the store currently holds.", ()),
     "write_backlog_pages": ("Pages waiting in the SSD write queue (served from memory).", ()),
     "write_backlog_bytes": ("Bytes of SSD rounds waiting in the write queue.", ()),
+    "write_deferral_p99_seconds": ("p99 of the last 4096 queued rounds' deferral (submit to write start), seconds.", ()),
+    "write_deferral_max_seconds": ("Largest deferral of the last 4096 queued rounds, seconds.", ()),
+    "write_urgent_rounds": ("Queued rounds written beside restores because the deferral bound made them urgent.", ()),
+    "ssd_drive_read_failures": ("Failed reads of the drive's files since start-up.", ("drive", "path")),
     "ssd_write_bytes_per_hour": ("SSD bytes written per hour since the store opened.", ()),
     "ssd_dwpd": ("Projected SSD drive writes per day at the current write rate, for the configured capacity.", ()),
+    "native_loop_state": ("1 for the C loop's current state (native, fallback, off, pending), 0 for the others.",
+                          ("loop", "state")),
 }
 
 _families: dict = {}  # id(registry) -> (registry, {name: metric}): one set of families per registry
@@ -207,9 +219,16 @@ class FlatCakeMetrics:
                 fams["ssd_files_out_of_service"].labels(*lab).set(len(st.get("files_out_of_service", ())))
                 self._update_drives(st.get("drives", ()))
         for name in ("pages_indexed", "scopes", "write_backlog_pages", "write_backlog_bytes",
-                     "ssd_write_bytes_per_hour", "ssd_dwpd"):
+                     "ssd_write_bytes_per_hour", "ssd_dwpd", "write_urgent_rounds"):
             if name in snap:
                 fams[name].labels(*lab).set(snap[name])
+        for name, key in (("write_deferral_p99_seconds", "write_deferral_p99_s"),
+                          ("write_deferral_max_seconds", "write_deferral_max_s")):
+            if key in snap:
+                fams[name].labels(*lab).set(snap[key])
+        for loop, st in (snap.get("native_loops") or {}).items():
+            for state in NATIVE_LOOP_STATES:
+                fams["native_loop_state"].labels(*lab, loop, state).set(1 if st.get("state") == state else 0)
 
 
     def _update_drives(self, drives) -> None:
@@ -219,6 +238,7 @@ class FlatCakeMetrics:
             dl = (str(d.get("drive", "")), str(d.get("path", "")))
             fams["ssd_drive_used_bytes"].labels(*lab, *dl).set(d.get("used_bytes", 0))
             fams["ssd_drive_capacity_bytes"].labels(*lab, *dl).set(d.get("capacity_bytes", 0))
+            fams["ssd_drive_read_failures"].labels(*lab, *dl).set(d.get("read_failures", 0))
             for state in MEDIUM_STATES:
                 fams["ssd_drive_state"].labels(*lab, *dl, state).set(1 if d.get("state") == state else 0)
 
@@ -236,4 +256,5 @@ def make_exporter(labels: dict, registry=None) -> Optional[FlatCakeMetrics]:
         return None
 
 
-__all__ = ["BASE_LABELS", "FlatCakeMetrics", "MEDIUM_STATES", "PREFIX", "REFRESH_S", "SGLANG_METHODS", "make_exporter"]
+__all__ = ["BASE_LABELS", "FlatCakeMetrics", "MEDIUM_STATES", "NATIVE_LOOP_STATES", "PREFIX", "REFRESH_S",
+           "SGLANG_METHODS", "make_exporter"]

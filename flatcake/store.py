@@ -199,7 +199,8 @@ class PageStore:
             log.info("flatcake: SSD write queue off: pages are shared with other TP ranks through SSD")
         if cfg.ssd.write_backlog_bytes > 0 and role == "single":  # reads first, writes in the gaps
             self.queue = WriteQueue(cfg.ssd.write_backlog_bytes, self.backup.complete_queued, self.backup.drop_queued,
-                                    self.stats, self.errors, cfg.node_id)
+                                    self.stats, self.errors, cfg.node_id, defer_max_s=cfg.ssd.write_defer_max_s,
+                                    urgent_fraction=cfg.ssd.write_urgent_fraction)
             self.backup.attach_queue(self.queue, cfg.ssd.write_backlog_wait_s, cfg.node_id)
             self.reader.queue = self.queue
             native_write.warm_up()  # the writer's C piece loop, ready before the first round
@@ -470,7 +471,9 @@ class PageStore:
             checksum_failures=self.errors.count_of("verify", "checksum") + self.errors.count_of("verify", "dram identity"),
             pages_rebuilt=self.rebuilt.pages,
             **(self.queue.snapshot() if self.queue is not None else
-               {"write_backlog_pages": 0, "write_backlog_bytes": 0, "write_backlog_limit_bytes": 0, "reads_in_flight": 0}),
+               {"write_backlog_pages": 0, "write_backlog_bytes": 0, "write_backlog_limit_bytes": 0, "reads_in_flight": 0,
+                "write_deferral_p50_s": 0.0, "write_deferral_p99_s": 0.0, "write_deferral_max_s": 0.0,
+                "write_deferral_rounds": 0, "write_urgent_rounds": 0}),
             **write_rates(d["ssd_write_bytes"], time.monotonic() - self._opened_s, self.ssd.configured_capacity_bytes),
             rebuild_s=self.rebuilt.seconds,
             cio_engine=getattr(self.cio, "engine_name", "?"),

@@ -20,6 +20,14 @@ Lifecycle of a queued round::
 A read never waits for the queue: it only bumps a counter (:meth:`WriteQueue.reads_begin`).
 A write already issued (one chunk at most) finishes; the next chunk waits for the gap.
 
+Deferral is bounded (issue 24 item 1; Tutti's slack windows have a bound too): when the oldest
+queued round has waited ``ssd.write_defer_max_s`` or the backlog holds more than
+``ssd.write_urgent_fraction`` of ``ssd.write_backlog_bytes``, writes are *urgent*: the writer
+stops waiting for reads and shares the disk with them until the backlog is back under the
+fraction and no round is past its deadline. With restores that never stop, backups keep
+succeeding at the rate the disk gives writes beside reads; each round's deferral (queued →
+written) goes into :attr:`WriteQueue.deferral_s` (p50/p99/max in the stats).
+
 The SSD index entry of a page is published only after its round is on disk (publish after
 write); before that the page is served from :class:`QueuedPage` (GVA medium
 :data:`MEDIUM_QUEUED`, never stored in the index nor on disk). A queued round pins its scope,
@@ -50,6 +58,9 @@ MEDIUM_QUEUED = 2
 #: bytes of one write call the writer thread issues at most; a read that arrives during a
 #: deferred round waits for one such chunk at most
 WRITE_CHUNK_BYTES = 8 << 20
+
+#: rounds whose deferral (submit → write start) the queue keeps for its percentiles
+DEFERRAL_SAMPLES = 4096
 
 
 @dataclass(eq=False)
@@ -132,10 +143,16 @@ class WriteQueue:
         node: GVA node field of :class:`QueuedPage` addresses.
     """
 
-    def __init__(self, backlog_bytes: int, complete: Callable, drop: Callable, stats, errors, node: int = 0):
+    def __init__(self, backlog_bytes: int, complete: Callable, drop: Callable, stats, errors, node: int = 0,
+                 defer_max_s: float = 1.0, urgent_fraction: float = 0.5):
         if backlog_bytes <= 0:
             raise ValueError("backlog_bytes must be > 0 (0 means: no queue, synchronous writes)")
         self.backlog_limit = backlog_bytes
+        #: seconds the oldest round may wait for reads; backlog bytes past which writes stop waiting
+        self.defer_max_s, self.urgent_bytes = defer_max_s, urgent_fraction * backlog_bytes
+        #: seconds each round waited from submit to the start of its write (the last DEFERRAL_SAMPLES)
+        self.deferral_s: collections.deque[float] = collections.deque(maxlen=DEFERRAL_SAMPLES)
+        self.urgent_rounds = 0  # rounds whose write started while reads were in flight (urgent)
         self._complete, self._drop, self.stats, self.errors, self.node = complete, drop, stats, errors, node
         self._cond = threading.Condition()
         self._jobs: collections.deque[QueuedRound] = collections.deque()
@@ -154,18 +171,32 @@ class WriteQueue:
     # ================================================================ reads
     def reads_begin(self) -> None:
         """A restore read starts (or waits for a staging window, or is queued in the FC-MAS SSD
-        lane: :meth:`~flatcake.store.PageStore.reads_pending`): hold writes not yet issued."""
+        lane: :meth:`~flatcake.store.PageStore.reads_pending`): hold writes not yet issued
+        (unless they are urgent)."""
         with self._cond:
             self._readers += 1
-            self.readers_now[0] = self._readers
+            self._publish_hold_locked()
 
     def reads_end(self) -> None:
         """A restore read ended; writes drain once no read is in flight."""
         with self._cond:
             self._readers -= 1
-            self.readers_now[0] = self._readers
+            self._publish_hold_locked()
             if not self._readers:
                 self._cond.notify_all()
+
+    def _urgent_locked(self, now: Optional[float] = None) -> bool:
+        """Writes may not wait for reads now: the backlog is past ``urgent_fraction`` or the oldest
+        round (the one being written included) has waited ``defer_max_s``."""
+        if self._bytes > self.urgent_bytes:
+            return True
+        oldest = self._in_flight if self._in_flight is not None else (self._jobs[0] if self._jobs else None)
+        return oldest is not None and (now or time.monotonic()) - oldest.enqueued_s >= self.defer_max_s
+
+    def _publish_hold_locked(self) -> None:
+        """What the writer's C piece loop reads without the GIL (:attr:`readers_now`): the reads
+        it must pause for — 0 while writes are urgent."""
+        self.readers_now[0] = 0 if self._urgent_locked() else self._readers
 
     @contextmanager
     def reading(self):
@@ -295,6 +326,7 @@ class WriteQueue:
                 self._pending[k] = (job, i)
             self._bytes += job.nbytes
             self._pages += len(job.keys)
+            self._publish_hold_locked()
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="flatcake-writer", daemon=True)
                 self._thread.start()
@@ -304,28 +336,39 @@ class WriteQueue:
     # ================================================================ writer thread
     def pause_for_reads(self) -> None:
         """Called by the writer between two chunks of a round: wait while a restore is in
-        flight (the time counts as deferred)."""
+        flight and writes are not urgent (the time counts as deferred)."""
         with self._cond:
-            self._hold_locked(lambda: self._readers and not self._closing)
+            self._hold_locked(lambda: self._readers and not self._closing and not self._urgent_locked())
 
     def _hold_locked(self, held: Callable[[], bool]) -> None:
+        """Wait while ``held()``, waking at the oldest round's deadline at the latest (it may
+        make writes urgent while reads continue)."""
         t0 = None
         while held():
             t0 = t0 or time.monotonic()
             self.writer_held = True
-            self._cond.wait()
+            oldest = self._in_flight if self._in_flight is not None else (self._jobs[0] if self._jobs else None)
+            wait = None if oldest is None else max(0.001, oldest.enqueued_s + self.defer_max_s - time.monotonic())
+            self._cond.wait(wait if wait is not None and wait < 3600.0 else 3600.0)
         self.writer_held = False
+        self._publish_hold_locked()
         if t0 is not None:
             self.stats.add(write_deferred_s=time.monotonic() - t0)
 
     def _next_locked(self) -> Optional[QueuedRound]:
         while not self._stopped and not self._jobs:
             self._cond.wait()
-        self._hold_locked(lambda: self._jobs and self._readers and not self._closing and not self._stopped)
+        self._hold_locked(lambda: self._jobs and self._readers and not self._closing and not self._stopped
+                          and not self._urgent_locked())
         if self._stopped or not self._jobs:
             return None
         job = self._jobs.popleft()
         self._in_flight = job
+        now = time.monotonic()
+        self.deferral_s.append(now - job.enqueued_s)
+        if self._readers:
+            self.urgent_rounds += 1
+        self._publish_hold_locked()
         return job
 
     def _run(self) -> None:
@@ -356,6 +399,7 @@ class WriteQueue:
             job.done = True
             if not job.readers:
                 self._recycle_locked(job)
+            self._publish_hold_locked()
             self._cond.notify_all()
 
     # ================================================================ admin
@@ -414,10 +458,20 @@ class WriteQueue:
 
     def snapshot(self) -> dict:
         """Backlog now: ``write_backlog_pages``, ``write_backlog_bytes`` (queued rounds,
-        the one being written included), ``write_backlog_limit_bytes``, ``reads_in_flight``."""
+        the one being written included), ``write_backlog_limit_bytes``, ``reads_in_flight``; and
+        the deferral of the last :data:`DEFERRAL_SAMPLES` rounds (seconds from submit to the start
+        of their write): ``write_deferral_p50_s``, ``write_deferral_p99_s``,
+        ``write_deferral_max_s`` (0 before the first round), ``write_deferral_rounds`` (rounds
+        measured) and ``write_urgent_rounds`` (rounds written while reads were in flight: the
+        bound made them urgent)."""
         with self._cond:
+            d = sorted(self.deferral_s)
+            pct = (lambda q: d[min(len(d) - 1, int(q * len(d)))]) if d else (lambda q: 0.0)
             return {"write_backlog_pages": self._pages, "write_backlog_bytes": self._bytes,
-                    "write_backlog_limit_bytes": self.backlog_limit, "reads_in_flight": self._readers}
+                    "write_backlog_limit_bytes": self.backlog_limit, "reads_in_flight": self._readers,
+                    "write_deferral_p50_s": pct(0.5), "write_deferral_p99_s": pct(0.99),
+                    "write_deferral_max_s": d[-1] if d else 0.0, "write_deferral_rounds": len(d),
+                    "write_urgent_rounds": self.urgent_rounds}
 
 
 __all__ = ["MEDIUM_QUEUED", "QueuedPage", "QueuedRound", "WRITE_CHUNK_BYTES", "WriteQueue"]

@@ -18,7 +18,9 @@ from flatcake.gva.address import MEDIUM_SSD
 from flatcake.stats import StoreStats, write_rates
 from flatcake.write_queue import MEDIUM_QUEUED, WriteQueue
 
-BACKLOG = {"ssd.write_backlog_bytes": 64 << 20}
+#: writes wait for reads for as long as a test holds one (the bound on deferral is tested on its own)
+HOLD = {"ssd.write_defer_max_s": 3600.0, "ssd.write_urgent_fraction": 1.0}
+BACKLOG = {"ssd.write_backlog_bytes": 64 << 20, **HOLD}
 
 
 def until_writer_held(q) -> None:
@@ -39,7 +41,7 @@ def keys_of(name: str, n: int = 2) -> list[str]:
 
 
 def test_the_queue_is_on_by_default_with_a_1_gib_bound(ssd_dir):
-    store, pool, lay = make_store(ssd_dir)
+    store, pool, lay = make_store(ssd_dir, **HOLD)
     assert store.queue is not None and store.queue.backlog_limit == 1 << 30
     assert store.snapshot_stats()["write_backlog_limit_bytes"] == 1 << 30
     store.queue.reads_begin()
@@ -161,10 +163,11 @@ def test_queued_pages_are_read_from_memory_while_the_writer_is_held(ssd_dir):
 
 # ---------------------------------------------------------------- backlog at its bound
 def test_a_full_backlog_places_on_dram_then_drops_one_shot_rounds_whole_then_fails_or_waits(ssd_dir):
-    store, pool, lay = make_store(ssd_dir, **{"ssd.write_backlog_bytes": 4096, "ssd.write_backlog_wait_s": 0.0,
+    store, pool, lay = make_store(ssd_dir, **{**HOLD, "ssd.write_backlog_bytes": 4096, "ssd.write_backlog_wait_s": 0.0,
                                               "dram.capacity_bytes": 2 * 1536, "dram.high_watermark": 1.0,
                                               "placement.l_agent_tokens": 64})
     q = store.queue
+    q.urgent_bytes = float("inf")  # one round over the whole bound would make writes urgent at once
     q.reads_begin()
     assert put_pages(store, pool, lay, keys_of("a"), [0, 1]) == [True, True]  # queued (takes the queue)
     assert store.medium_of("a0") == "queued"
@@ -339,7 +342,8 @@ def test_the_writer_starts_nothing_while_a_read_is_in_flight_and_close_drops_wha
         if job.keys[0] == "j1":
             gate.wait(30)
 
-    q = WriteQueue(1 << 20, complete, lambda j: dropped.append(j.keys[0]), StoreStats(), lambda *a: None)
+    q = WriteQueue(1 << 20, complete, lambda j: dropped.append(j.keys[0]), StoreStats(), lambda *a: None,
+                   defer_max_s=3600.0, urgent_fraction=1.0)
     q.reads_begin()
     for name in ("j1", "j2"):
         assert q.submit(_Job([name]))
@@ -474,3 +478,60 @@ def test_through_sglangs_factory_a_queued_page_is_a_hit_and_close_drains_it(make
     assert q.flush(30) and be.store.medium_of("sg2") == "ssd"
     assert len(rounds_in_journal(be.store)) == 1
 
+
+
+# ---------------------------------------------------------------- deferral is bounded (issue 24 item 1)
+def wait_for(cond, what: str) -> None:
+    """Wait (no time limit asserted) for ``cond()``."""
+    for _ in range(60000):
+        if cond():
+            return
+        time.sleep(0.001)
+    raise AssertionError(f"never: {what}")
+
+
+def test_with_reads_that_never_stop_backups_keep_reaching_the_disk_after_the_deadline(ssd_dir):
+    store, pool, lay = make_store(ssd_dir, **{"ssd.write_backlog_bytes": 64 << 20, "ssd.write_defer_max_s": 0.05,
+                                              "ssd.write_urgent_fraction": 1.0})
+    q = store.queue
+    q.reads_begin()  # a restore is always in flight from now on
+    keys = [keys_of(f"r{i}-") for i in range(12)]
+    for i, ks in enumerate(keys):
+        assert put_pages(store, pool, lay, ks, [2 * (i % 8), 2 * (i % 8) + 1]) == [True, True]
+    wait_for(lambda: store.snapshot_stats()["write_backlog_pages"] == 0, "the backlog drained beside the reads")
+    snap = store.snapshot_stats()
+    assert all(store.medium_of(k) == "ssd" for ks in keys for k in ks)
+    assert len(rounds_in_journal(store)) == 12 and snap["pages_written_ssd"] == 24
+    assert snap["write_urgent_rounds"] == 12 and snap["write_deferral_rounds"] == 12
+    # each round waited for the reads, but not longer than its deadline plus the rounds before it
+    assert snap["write_deferral_p50_s"] >= 0.05 and snap["write_deferral_max_s"] >= snap["write_deferral_p99_s"] >= 0.05
+    q.reads_end()
+    assert store.get(keys[0], lay, [30, 31]) == [True, True] and page_matches(pool, 30 * pool.page_size, keys[0][0])
+    store.close()
+
+
+def test_a_backlog_past_the_urgent_fraction_is_written_beside_reads_down_to_the_fraction(ssd_dir):
+    store, pool, lay = make_store(ssd_dir, **{"ssd.write_backlog_bytes": 64 << 20, **HOLD})
+    q = store.queue
+    q.reads_begin()
+    assert put_pages(store, pool, lay, keys_of("x"), [0, 1]) == [True, True]
+    round_bytes = store.snapshot_stats()["write_backlog_bytes"]
+    q.reads_end()
+    store.close()
+    store, pool, lay = make_store(ssd_dir + "2", **{"ssd.write_backlog_bytes": 8 * round_bytes, "ssd.write_defer_max_s": 3600.0,
+                                              "ssd.write_urgent_fraction": 0.5})
+    q = store.queue
+    q.reads_begin()  # reads never stop
+    for i in range(4):  # 4 rounds = half the backlog: not urgent, all held
+        assert put_pages(store, pool, lay, keys_of(f"h{i}-"), [2 * i, 2 * i + 1]) == [True, True]
+    until_writer_held(q)
+    assert store.snapshot_stats()["write_backlog_bytes"] == 4 * round_bytes and len(rounds_in_journal(store)) == 0
+    assert put_pages(store, pool, lay, keys_of("h4-"), [8, 9]) == [True, True]  # past half: urgent
+    wait_for(lambda: q.writer_held and store.snapshot_stats()["write_backlog_bytes"] <= 4 * round_bytes,
+             "written down to the fraction, then held again")
+    snap = store.snapshot_stats()
+    assert snap["write_backlog_bytes"] == 4 * round_bytes and len(rounds_in_journal(store)) == 1
+    assert snap["write_urgent_rounds"] == 1 and store.medium_of("h0-0") == "ssd" and store.medium_of("h1-0") == "queued"
+    q.reads_end()
+    assert store.flush_writes(30) and len(rounds_in_journal(store)) == 5
+    store.close()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import os
 import sys
+import threading
 
 import torch
 from flatcake_testkit import slots_of
@@ -14,6 +15,7 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo, PoolHi
 
 sys.path.insert(0, os.path.dirname(__file__))
 from v2_kit import PAGE, PAGES, dsv4_pool, matches, put, transfer, zero  # noqa: E402
+from held_writer import HeldWriter  # noqa: E402
 
 C4, SWA = PoolName.DEEPSEEK_V4_C4, PoolName.SWA
 
@@ -79,6 +81,45 @@ def test_logical_anchor_splits_capacity_and_retires_pools_together(make_backend)
     assert not pswa.store.exists(a[2]) and pswa.store.exists(b[2]) and all(pc4.store.exists(k) for k in b)
 
 
+def test_logical_anchor_pool_dropped_while_its_round_is_written_retires_the_others_when_the_writer_lets_go(
+        make_backend, monkeypatch):
+    """The deferred case of the test above: session a's next C4 round is inside the C4 store's
+    writer (held there) when the C4 pool drops the session. Its scope is only doomed; the SWA
+    pages stay until the writer lets go and the scope is freed; the next v2 call then retires
+    them (outside the store locks)."""
+    dsv4_pool("page_first")
+    be, anchor, c4, swa = logical_backend(make_backend)
+    pc4, pswa = be.extra_pool(C4), be.extra_pool(SWA)
+    a, b = [f"da{i}" for i in range(3)], [f"db{i}" for i in range(3)]
+    for keys, base in ((a, 0), (b, 3)):
+        assert put(be, C4, c4, keys, range(base, base + 3)) == [True] * 3
+        assert put(be, SWA, swa, keys[2:], [base], prefix=keys[:2]) == [True]
+    assert pc4.store.flush_writes(30) and pswa.store.flush_writes(30)
+    retired = threading.Event()
+    pc4.store.add_retire_listener(lambda keys: retired.set())  # after the v2 listener: runs once it ran
+    held = HeldWriter(pc4.store, monkeypatch)
+    assert put(be, C4, c4, ["da3"], [6], prefix=a) == [True]  # a's next page: queued, then held
+    assert held.entered.wait(60)
+    try:
+        assert pc4.store.drop_keys([a[0]]) == 1
+        assert not any(pc4.store.exists(k) for k in a + ["da3"])  # C4: unpublished at once
+        be.batch_exists_v2(a, [])  # a v2 call: nothing was freed yet, so nothing to retire
+        assert pswa.store.exists(a[2]) and not retired.is_set()
+    finally:
+        held.release()
+    assert retired.wait(60)  # the writer let go: the doomed scope was freed
+    assert pswa.store.exists(a[2])  # the other pools follow at the next v2 call
+    be.batch_exists_v2(a, [])
+    assert not pswa.store.exists(a[2]) and pswa.store.exists(b[2]) and all(pc4.store.exists(k) for k in b)
+    assert pc4.store.flush_writes(30) and not pc4.store.exists("da3")  # the held round was never published
+    zero(c4)
+    zero(swa)
+    got = be.batch_get_v2([transfer(C4, c4, a, range(10, 13)), transfer(SWA, swa, a[2:], [13])])
+    assert got == {C4: [False] * 3, SWA: [False]}  # nothing stale served
+    assert be.batch_get_v2([transfer(C4, c4, b, range(20, 23))]) == {C4: [True] * 3}
+    assert all(matches(c4, 20 + i, k) for i, k in enumerate(b))
+
+
 def test_two_logical_anchor_servers_share_a_directory(make_backend):
     """Two servers (both DP rank 0) on one ssd.path: the second takes the next pool slot, and
     each reads only its own pages."""
@@ -113,6 +154,7 @@ def test_flush_writes_drains_every_pools_write_queue_without_a_kv_store(make_bac
     stores = [be.extra_pool(C4).store, be.extra_pool(SWA).store]
     keys = [f"fw{i}" for i in range(3)]
     for s in stores:
+        s.queue.defer_max_s = s.queue.urgent_bytes = float("inf")  # no bound on the deferral here
         s.queue.reads_begin()  # a restore in flight: the writers hold every round
     assert put(be, C4, c4, keys, range(3)) == [True] * 3
     assert put(be, SWA, swa, keys[2:], [0], prefix=keys[:2]) == [True]

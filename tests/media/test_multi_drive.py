@@ -371,7 +371,8 @@ def test_a_drive_back_with_new_files_is_never_read_through_old_descriptors(drive
 
 def test_with_the_write_queue_rounds_still_alternate_and_a_deferred_fault_takes_only_its_drive(drives, monkeypatch):
     monkeypatch.setitem(native_write.LOOP.state, "fn", None)  # the fault is injected at os.pwritev
-    store, pool, lay = open_store(drives[:2], **{"ssd.write_backlog_bytes": 16 << 20})
+    store, pool, lay = open_store(drives[:2], **{"ssd.write_backlog_bytes": 16 << 20, "ssd.write_defer_max_s": 3600.0,
+                                                 "ssd.write_urgent_fraction": 1.0})
     restore = refuse_writes_under(monkeypatch, drives[1])
     store.queue.reads_begin()  # a restore in flight: the writer waits, all four rounds are placed first
     keys = put_session(store, pool, lay, "s", rounds=4)  # queued: the put succeeds before the write
