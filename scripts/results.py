@@ -9,7 +9,8 @@ fewer requests, every system) in under 10 minutes.
 Each slice is one ``flatcake-replay --qps ...`` run (its command is recorded) into
 ``<out>/<slice>/`` (summary.json, summary.md, figures). ``<out>/summary.json`` collects them:
 ``{"quick", "slices": {name: {"command": [...], "summary": {...}}}}``; ``<out>/summary.md`` links
-each slice's table and figures. Runs are scaled (``--scale``) so the bytes fit a laptop's disk:
+each slice's table and figures, with the prefetch policy it ran under (the configs' ``timeout``,
+SGLang's default). Runs are scaled (``--scale``) so the bytes fit a laptop's disk:
 hit rates and hits by medium are as at full size, timings are not meaningful (the summaries
 say so). Exit status: the worst of the slices' (0 ok, 1 a verify failure, 2 refused).
 """
@@ -73,7 +74,9 @@ def main(argv=None) -> int:
     (out / "summary.json").write_text(json.dumps({"quick": args.quick, "slices": collected}, indent=2) + "\n")
     lines = [f"# FlatCake results ({kind})", ""]
     for name, c in collected.items():
-        lines += [f"- [{name}]({name}/summary.md): `{' '.join(c['command'])}` (exit {c['exit_status']})"]
+        policy = (c["summary"] or {}).get("prefetch_policy", "?")
+        lines += [f"- [{name}]({name}/summary.md): `{' '.join(c['command'])}` (exit {c['exit_status']}; "
+                  f"prefetch policy `{policy}`)"]
     (out / "summary.md").write_text("\n".join(lines) + "\n")
     print(f"wrote {out / 'summary.json'} in {time.monotonic() - t0:.0f} s")
     return worst

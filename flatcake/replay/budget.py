@@ -17,11 +17,17 @@ estimates each system's on-disk footprint — at most every unique page of the r
 Systems that are alive together (the one-request-at-a-time replay) add up; the ``--qps`` sweep
 runs one system at a time, so its largest counts. The run is refused when the total exceeds the
 free space minus :func:`margin_bytes`.
+
+The capacities the systems are compared at come from FlatCake's configuration too
+(:func:`equal_capacity`): every system gets ``dram.capacity_bytes`` of DRAM and FlatCake's SSD
+capacity; FlatCake's write backlog is counted in its DRAM budget, so its DRAM medium gets
+``dram.capacity_bytes − ssd.write_backlog_bytes`` (:func:`flatcake_keys_at_equal_capacity`).
 """
 
 from __future__ import annotations
 
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
@@ -57,6 +63,72 @@ def dram_capacity(fc_keys: Mapping[str, Any]) -> int:
     from flatcake.config import DramConfig
 
     return int(fc_keys.get("dram.capacity_bytes", DramConfig().capacity_bytes))
+
+
+def write_backlog(fc_keys: Mapping[str, Any]) -> int:
+    """FlatCake's SSD write backlog bytes, ``ssd.write_backlog_bytes`` (default if absent)."""
+    return _ssd(fc_keys, "write_backlog_bytes")
+
+
+@dataclass(frozen=True)
+class EqualCapacity:
+    """What every system of an equal-capacity replay gets (bytes), and FlatCake's split of it.
+
+    The DRAM budget is ``dram.capacity_bytes``: ``dram-only``'s LRU, ``tiered``'s DRAM and
+    ``mooncake``'s segment get all of it. FlatCake's write backlog (``ssd.write_backlog_bytes``:
+    SSD rounds held in memory until the disk is free, whose pages are served from memory) is
+    memory too, so it is counted in the same budget: FlatCake's DRAM medium gets the rest.
+
+    Attributes:
+        dram_bytes: the DRAM budget of every system (``dram.capacity_bytes``).
+        ssd_bytes: the SSD capacity (``ssd.max_files × ssd.file_bytes``).
+        flatcake_dram_bytes: FlatCake's DRAM medium, ``dram_bytes − flatcake_write_backlog_bytes``.
+        flatcake_write_backlog_bytes: FlatCake's write backlog (``ssd.write_backlog_bytes``).
+    """
+
+    dram_bytes: int
+    ssd_bytes: int
+    flatcake_dram_bytes: int
+    flatcake_write_backlog_bytes: int
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(self.__dict__)
+
+    def note(self) -> str:
+        """One line for ``summary.md``."""
+        return (f"equal capacity: DRAM {_size(self.dram_bytes)} per system (FlatCake: "
+                f"{_size(self.flatcake_dram_bytes)} DRAM medium + {_size(self.flatcake_write_backlog_bytes)} "
+                "write backlog), SSD "
+                f"{_size(self.ssd_bytes)}; HiCacheFile has no DRAM tier")
+
+
+def _size(n: int) -> str:
+    """``n`` bytes in the largest binary unit that keeps the number at least 1."""
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift:
+            return f"{n / (1 << shift):.4g} {unit}"
+    return f"{n} B"
+
+
+def equal_capacity(fc_keys: Mapping[str, Any]) -> EqualCapacity:
+    """The capacities of an equal-capacity run from FlatCake's (flattened) configuration keys.
+
+    Raises:
+        ValueError: the write backlog exceeds the DRAM budget (names both keys).
+    """
+    dram, backlog = dram_capacity(fc_keys), write_backlog(fc_keys)
+    if backlog > dram:
+        raise ValueError(
+            f"ssd.write_backlog_bytes={backlog} exceeds dram.capacity_bytes={dram}: in the replay every system gets "
+            "dram.capacity_bytes of DRAM and FlatCake's write backlog is counted in it (docs/baselines.md); lower "
+            "ssd.write_backlog_bytes or raise dram.capacity_bytes")
+    return EqualCapacity(dram, ssd_capacity(fc_keys), dram - backlog, backlog)
+
+
+def flatcake_keys_at_equal_capacity(fc_keys: Mapping[str, Any]) -> dict[str, Any]:
+    """FlatCake's keys in an equal-capacity run: ``dram.capacity_bytes`` reduced by the write
+    backlog (:func:`equal_capacity`; raises ``ValueError`` as it does)."""
+    return {**dict(fc_keys), "dram.capacity_bytes": equal_capacity(fc_keys).flatcake_dram_bytes}
 
 
 def file_max_size(file_extra: Mapping[str, Any]) -> Optional[int]:
@@ -123,5 +195,6 @@ def check_disk_budget(names: Sequence[str], unique_bytes: int, fc_keys: Mapping[
     return est
 
 
-__all__ = ["DiskBudgetError", "OVERRIDE_FLAG", "check_disk_budget", "dram_capacity", "file_extra_at_equal_capacity",
-           "file_max_size", "footprint", "margin_bytes", "ssd_capacity"]
+__all__ = ["DiskBudgetError", "EqualCapacity", "OVERRIDE_FLAG", "check_disk_budget", "dram_capacity", "equal_capacity",
+           "file_extra_at_equal_capacity", "file_max_size", "flatcake_keys_at_equal_capacity", "footprint",
+           "margin_bytes", "ssd_capacity", "write_backlog"]

@@ -34,14 +34,14 @@ from tqdm import tqdm
 
 from flatcake.align import ALIGN
 from flatcake.config import ConfigError, FlatCakeConfig, load_config, read_yaml
-from flatcake.replay.budget import DiskBudgetError, check_disk_budget, file_max_size
+from flatcake.replay.budget import DiskBudgetError, check_disk_budget, equal_capacity, file_max_size
 from flatcake.replay.engine import Engine, EngineConfig, ModelProfile, RequestOutcome, reusable_counts
 from flatcake.replay.hybrid_engine import HybridEngine, hybrid_summary
 from flatcake.replay.hybrid_systems import make_hybrid_system, restrict_to_hybrid
 from flatcake.replay.keys import PageKeyer
-from flatcake.replay.report import markdown, plot_ttft_cdf, system_summary
+from flatcake.replay.report import markdown, plot_ttft_cdf, policy_label, system_summary
 from flatcake.replay.sweep import parse_rates, parse_schedulers, run_sweep, serving_markdown
-from flatcake.replay.systems import FIXED_SCHEDULER, STORAGE_DIRS, SYSTEMS, make_system
+from flatcake.replay.systems import FIXED_SCHEDULER, FLATCAKE_SYSTEMS, STORAGE_DIRS, SYSTEMS, make_system
 from flatcake.replay.traces import (DEFAULT_SESSION_GAP_S, TraceFormatError, detect_format, ideal_hit_rate,
                                     load_trace)
 
@@ -64,7 +64,7 @@ HARNESS_DEFAULTS: dict[str, Any] = {
     "drop_page_cache": True,
     "keep_data": False,
     "file_extra": {},  # HiCacheFile's extra config; max_size defaults to FlatCake's SSD capacity
-    "tiered_extra": {},  # tiered baseline: bucket_bytes, staging_bytes (docs/baselines.md)
+    "tiered_extra": {},  # tiered baseline: bucket_bytes, staging_bytes, io_depth (docs/baselines.md)
     "mooncake_extra": {},  # mooncake: lease_ttl_ms, bucket_bytes, staging_bytes, ... (docs/baselines.md)
     "think_time_scale": 1.0,  # --qps: factor on the gaps between a conversation's turns
     "disk_budget": True,  # refuse a run that would not fit on the output's file system
@@ -138,14 +138,20 @@ def replay_settings(cfg: FlatCakeConfig, args: argparse.Namespace, config_dir: P
             raise ConfigError(f"replay.{key}: must be at least 1 (got {s[key]})")
     from flatcake.replay.mooncake import check_extra
 
+    from flatcake.replay.tiered import check_extra as check_tiered_extra
+
     try:
         s["mooncake_extra"] = check_extra(s["mooncake_extra"] or {})
+        check_tiered_extra(s.get("tiered_extra") or {})  # validated only: its defaults are merged where scaled
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if float(s["think_time_scale"]) < 0:
         raise ConfigError(f"replay.think_time_scale: must be >= 0 (got {s['think_time_scale']})")
     if s.get("hbm_pages") is not None and s["hbm_pages"] < 0:
         raise ConfigError(f"replay.hbm_pages: must be >= 0 (got {s['hbm_pages']})")
+    if s["prefetch_policy"] not in EngineConfig.POLICIES:
+        raise ConfigError(f"replay.prefetch_policy: must be one of {', '.join(EngineConfig.POLICIES)} "
+                          f"(got {s['prefetch_policy']!r})")
     bad = [x for x in s["systems"] if x not in SYSTEMS]
     if bad:
         raise ConfigError(f"replay.systems: unknown system(s) {bad} (known: {', '.join(SYSTEMS)})")
@@ -162,8 +168,8 @@ def replay_settings(cfg: FlatCakeConfig, args: argparse.Namespace, config_dir: P
 def apply_scale(cfg: FlatCakeConfig, settings: dict, profile: ModelProfile, n: int):
     """``--scale N``: page bytes (:meth:`ModelProfile.scaled`) and every capacity divided by
     ``n`` — ``dram.capacity_bytes``, ``ssd.file_bytes`` (rounded down to 4 KiB; ``max_files``
-    kept), ``cio.staging_bytes`` when set, and the byte sizes in ``file_extra``/``tiered_extra``/
-    ``mooncake_extra``
+    kept), ``ssd.write_backlog_bytes`` and ``cio.staging_bytes`` when set, and the byte sizes in
+    ``file_extra``/``tiered_extra``/``mooncake_extra``
     — so pages per medium, and with them hit rates, placement and reclaim, are as at full size.
     Page counts (HBM, host pool) and token thresholds are unchanged. Returns ``(cfg, settings,
     profile)``; ``settings["scale"]`` records ``n``.
@@ -181,7 +187,8 @@ def apply_scale(cfg: FlatCakeConfig, settings: dict, profile: ModelProfile, n: i
         return out
 
     upd = {"dram": {"capacity_bytes": down(cfg.dram.capacity_bytes, "dram.capacity_bytes")},
-           "ssd": {"file_bytes": down(cfg.ssd.file_bytes, "ssd.file_bytes")}}
+           "ssd": {"file_bytes": down(cfg.ssd.file_bytes, "ssd.file_bytes"),
+                   "write_backlog_bytes": down(cfg.ssd.write_backlog_bytes, "ssd.write_backlog_bytes")}}
     if cfg.cio.staging_bytes:
         upd["cio"] = {"staging_bytes": down(cfg.cio.staging_bytes, "cio.staging_bytes")}
     cfg = load_config(None, {**cfg.model_dump(), **{k: {**getattr(cfg, k).model_dump(), **v} for k, v in upd.items()}})
@@ -194,7 +201,8 @@ def apply_scale(cfg: FlatCakeConfig, settings: dict, profile: ModelProfile, n: i
     if file_max_size(file_extra):  # an int or a size string ("2G"), parsed as HiCacheFile does
         file_extra["max_size"] = down(file_max_size(file_extra), "file_extra.max_size")
     settings["file_extra"] = file_extra
-    settings["tiered_extra"] = {k: down(v, f"tiered_extra.{k}") for k, v in settings["tiered_extra"].items()}
+    settings["tiered_extra"] = {k: down(v, f"tiered_extra.{k}") if k in ("bucket_bytes", "staging_bytes") else v
+                                for k, v in settings["tiered_extra"].items()}  # io_depth is a count, not bytes
     from flatcake.replay.mooncake import check_extra
 
     mc = check_extra(settings.get("mooncake_extra") or {})  # its defaults scale too
@@ -258,16 +266,18 @@ def _close_systems(systems: dict, out: Path, keep_data: bool) -> tuple[dict, dic
 
 
 def _write_requests_csv(path: Path, outcomes: dict[str, list[RequestOutcome]]) -> None:
-    """One row per request and system."""
+    """One row per request and system (``ssd_pages`` by placement, ``backlog_pages`` of them
+    served from FlatCake's write backlog in memory)."""
     with path.open("w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["request", "system", "pages", "prompt_tokens", "hbm_pages", "l3_query_pages",
-                    "dram_pages", "ssd_pages", "computed_pages", "written_pages", "failed_write_pages",
-                    "verify_failures", "query_s", "read_s", "load_s", "prefill_s", "ttft_s", "write_s"])
+                    "dram_pages", "ssd_pages", "backlog_pages", "computed_pages", "written_pages",
+                    "failed_write_pages", "verify_failures", "query_s", "read_s", "load_s", "prefill_s", "ttft_s",
+                    "write_s"])
         for n, outs in outcomes.items():
             for i, o in enumerate(outs):
                 w.writerow([i, n, o.pages, o.prompt_tokens, o.hbm_pages, o.l3_query_pages, o.dram_pages,
-                            o.ssd_pages, o.computed_pages, o.written_pages, o.failed_write_pages,
+                            o.ssd_pages, o.backlog_pages, o.computed_pages, o.written_pages, o.failed_write_pages,
                             o.verify_failures, f"{o.query_s:.6f}", f"{o.read_s:.6f}", f"{o.load_s:.6f}",
                             f"{o.prefill_s:.6f}", f"{o.ttft_s:.6f}", f"{o.write_s:.6f}"])
 
@@ -297,15 +307,17 @@ def run_replay(cfg: FlatCakeConfig, settings: dict[str, Any], profile: ModelProf
     if settings["disk_budget"]:  # all systems hold their data at once
         est = unique * profile.page_bytes + len(reqs) * profile.trailing_bytes  # hybrid: + each request's window
         check_disk_budget(names, est, fc_keys, settings["file_extra"], out, together=True)
+    capacity = equal_capacity(fc_keys) if set(names) & set(FLATCAKE_SYSTEMS) else None  # ValueError: B > D
     out.mkdir(parents=True, exist_ok=True)  # only once the trace has been read and the run fits
     if profile.hybrid:  # SGLang's v2 pool interface (flatcake/replay/hybrid*.py)
         systems = {n: make_hybrid_system(n, profile, settings["host_pool_pages"], out, fc_keys,
-                                         settings["file_extra"], settings["drop_page_cache"]) for n in names}
+                                         settings["file_extra"], settings["drop_page_cache"], equal_capacity=True)
+                   for n in names}
     else:
         systems = {
             n: make_system(n, profile, settings["host_pool_pages"], out, fc_keys, settings["file_extra"],
                            settings["drop_page_cache"], settings["tiered_extra"],
-                           mooncake_extra=settings.get("mooncake_extra"))
+                           mooncake_extra=settings.get("mooncake_extra"), equal_capacity=True)
             for n in names
         }
     engine = HybridEngine if profile.hybrid else Engine
@@ -326,6 +338,8 @@ def run_replay(cfg: FlatCakeConfig, settings: dict[str, Any], profile: ModelProf
         "model": {**profile.as_dict(), "page_bytes": profile.page_bytes,
                   "bytes_per_token": profile.bytes_per_token},
         "engine": ecfg.__dict__,
+        "prefetch_policy": ecfg.prefetch_policy,
+        **({"equal_capacity": capacity.as_dict()} if capacity is not None else {}),
         "trace_load_s": load_s,
         "scale": settings.get("scale", 1),
         "timings_meaningful": settings.get("scale", 1) == 1,
@@ -347,7 +361,8 @@ def run_replay(cfg: FlatCakeConfig, settings: dict[str, Any], profile: ModelProf
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     (out / "summary.md").write_text(markdown(summary))
     if settings.get("plot", True):
-        plot_ttft_cdf({n: [o.ttft_s for o in outcomes[n]] for n in names}, out / "ttft_cdf.png")
+        plot_ttft_cdf({n: [o.ttft_s for o in outcomes[n]] for n in names}, out / "ttft_cdf.png",
+                      title=policy_label(ecfg.__dict__))
     _write_requests_csv(out / "requests.csv", outcomes)
     return summary
 
@@ -411,6 +426,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from flatcake.replay.cluster_replay import run_nodes
 
         return run_nodes(cfg, settings, profile, args)
+    if set(settings["systems"]) & set(FLATCAKE_SYSTEMS):  # FlatCake's write backlog fits its DRAM budget
+        try:
+            equal_capacity(_flatten(cfg.model_dump(exclude={"model", "replay"})))
+        except ValueError as e:
+            print(f"flatcake-replay: {e}", file=sys.stderr)
+            return 2
     try:  # serving flags are checked even without --qps: a typo never passes silently
         scheds = parse_schedulers(cfg.mas.scheduler if args.scheduler is None else args.scheduler)
         rates = parse_rates(args.qps) if args.qps is not None else None

@@ -11,7 +11,9 @@ Lifecycle of one request (arrival order, one request at a time)::
                       run h (one call whatever its length, as SGLang's HybridCacheController;
                       skipped when the span or h is below prefetch_threshold tokens, as SGLang)
     3. L3 read        batch_get_v1 / generic batch_get in 128-page calls into host-pool pages,
-                      stop at the first page not delivered; EVERY delivered page is verified
+                      stop at the first page not delivered (or, with prefetch_policy timeout,
+                      SGLang's default, once the read time passed SGLang's deadline for the
+                      span); EVERY delivered page is verified
     4. prefill        the rest of the pages are "computed": filled with their deterministic bytes
     5. L3 write       batch_set_v1 / generic batch_set of the computed pages in 128-page calls
     6. HBM insert     all pages of the prompt become most recent (prefix first); LRU eviction
@@ -360,7 +362,8 @@ class RequestOutcome:
     hbm_pages: int = 0
     l3_query_pages: int = 0  # leading run reported by batch_exists
     dram_pages: int = 0  # delivered from L3 DRAM
-    ssd_pages: int = 0  # delivered from L3 SSD
+    ssd_pages: int = 0  # delivered from L3 SSD (placed there), backlog_pages included
+    backlog_pages: int = 0  # of ssd_pages: served from FlatCake's SSD write backlog in memory
     computed_pages: int = 0
     written_pages: int = 0
     failed_write_pages: int = 0  # computed pages whose put was refused (that batch and the rest)
@@ -389,20 +392,31 @@ class EngineConfig:
         hbm_pages: HBM prefix-cache capacity in pages.
         host_pool_pages: host-pool pages (>= 2 x 128 needed; the pool is a bounce buffer here).
         prefetch_threshold_tokens: SGLang's ``prefetch_threshold`` (skip L3 below this).
-        prefetch_policy: ``wait_complete`` or ``timeout`` (stop reading after the deadline).
-        prefetch_timeout_base_s, prefetch_timeout_per_ki_token_s: SGLang's timeout formula.
+        prefetch_policy: ``timeout`` (SGLang 0.5.23's default ``--hicache-storage-prefetch-policy``:
+            a prefetch still reading when its deadline passes is cut, the rest recomputed) or
+            ``wait_complete`` (every hit page is waited for).
+        prefetch_timeout_base_s, prefetch_timeout_per_ki_token_s: SGLang's timeout formula, with
+            SGLang 0.5.23's defaults (extra-config ``prefetch_timeout_base`` 1 s and
+            ``prefetch_timeout_per_ki_token`` 0.25 s, ``HybridCacheController``).
     """
 
     hbm_pages: int = 512
     host_pool_pages: int = 512
     prefetch_threshold_tokens: int = 256
-    prefetch_policy: str = "wait_complete"
+    prefetch_policy: str = "timeout"
     prefetch_timeout_base_s: float = 1.0
     prefetch_timeout_per_ki_token_s: float = 0.25
 
+    #: the prefetch policies the replay models (SGLang's ``best_effort`` is not modelled)
+    POLICIES = ("timeout", "wait_complete")
+
     def prefetch_timeout_s(self, tokens: int) -> Optional[float]:
-        """Seconds a prefetch of ``tokens`` may take under ``prefetch_policy: timeout``
-        (SGLang's ``base + tokens / 1024 × per_ki_token``); ``None`` under ``wait_complete``."""
+        """Seconds a prefetch of a requested span of ``tokens`` may take under
+        ``prefetch_policy: timeout``; ``None`` under ``wait_complete``. As SGLang 0.5.23
+        (``UnifiedRadixCache._start_storage_prefetch_wait``): ``base + pages × page_size / 1024
+        × per_ki_token``, pages = the span asked of storage (``stats_requested_tokens``, the
+        page-aligned tokens after the device match, known before the hit query), so ``tokens /
+        1024 × per_ki_token`` for a page-aligned span."""
         if self.prefetch_policy != "timeout":
             return None
         return self.prefetch_timeout_base_s + tokens / 1024 * self.prefetch_timeout_per_ki_token_s
@@ -452,7 +466,9 @@ class Engine:
             hit = max(0, min(int(hit), len(rest)))
             out.l3_query_pages = hit
             if hit and hit * P >= thr:
-                deadline = self.cfg.prefetch_timeout_s(hit * P)
+                # SGLang's clock starts at the first admission poll that finds the prefetch not
+                # done: here, after the hit query; its budget is for the span asked (rest)
+                deadline = self.cfg.prefetch_timeout_s(len(rest) * P)
                 for b in range(0, hit, STORAGE_BATCH_PAGES):
                     if deadline is not None and out.read_s > deadline:
                         break
@@ -461,6 +477,7 @@ class Engine:
                     try:
                         got, dram, ssd = sysm.get(batch, host, list(keys[: n_hbm + b]))
                         out.read_s += sysm.last_call_s
+                        out.backlog_pages += sysm.last_backlog_pages
                         sysm.after_call()
                         for i in range(got):
                             if not self.content.verify(int(host[i * P]), batch[i]):

@@ -17,7 +17,9 @@ lifecycle as :class:`flatcake.replay.engine.Engine`, with the L3 calls of SGLang
     6. HBM insert
 
 A page counts as delivered (``dram_pages`` + ``ssd_pages``, the hit rate) only when *every*
-pool restored it (and the trailing window at the cut). Every page each pool delivered is
+pool restored it (and the trailing window at the cut); its medium is the first KV-derived pool's
+(``ssd_pages`` includes ``backlog_pages``: SSD pages FlatCake served from its write backlog in
+memory before their round reached the disk). Every page each pool delivered is
 verified bit-exact (``verify_failures``, per pool in ``pool_verify_failures``). TTFT as in
 the dense engine; the modelled host -> HBM load covers every pool's delivered bytes.
 """
@@ -126,18 +128,21 @@ class HybridEngine:
     def _read(self, rest: list, prefix: list, hit: int, out: HybridOutcome) -> tuple[int, int]:
         """Step 3: returns ``(pages delivered by every pool, trailing bytes delivered)``."""
         sysm = self.system
-        deadline = self.cfg.prefetch_timeout_s(hit * self.profile.page_size)
-        loaded, dram = 0, 0
+        deadline = self.cfg.prefetch_timeout_s(len(rest) * self.profile.page_size)  # the span asked, as SGLang
+        loaded, dram, backlog = 0, 0, 0
         for b in range(0, hit, STORAGE_BATCH_PAGES):
             if deadline is not None and out.read_s > deadline:
                 break
             batch = rest[b: min(hit, b + STORAGE_BATCH_PAGES)]
             host = self.pages.alloc(len(batch))
             try:
-                before = self._dram_hits()
+                before = self._hits()
                 got, runs, secs = sysm.get_batch(batch, host, prefix + rest[:b])
                 out.read_s += secs
-                dram += min(got, max(0, self._dram_hits() - before))
+                after = self._hits()
+                d = min(got, max(0, after[0] - before[0]))
+                dram += d
+                backlog += min(got - d, max(0, after[1] - before[1]))
                 self._verify(self.derived, batch, host, runs, out)
             finally:
                 self.pages.free(host)
@@ -151,7 +156,7 @@ class HybridEngine:
                 return 0, 0
         else:
             tbytes = 0
-        out.dram_pages, out.ssd_pages = dram, loaded - dram
+        out.dram_pages, out.ssd_pages, out.backlog_pages = dram, loaded - dram, backlog
         return loaded, tbytes
 
     def _read_trailing(self, rest: list, prefix: list, loaded: int, hit: int, out: HybridOutcome) -> tuple[bool, int]:
@@ -175,12 +180,14 @@ class HybridEngine:
             nbytes += sum(runs[s.name] * s.page_bytes for s in specs)
         return ok, nbytes
 
-    def _dram_hits(self) -> int:
-        """Pages the first all_pages pool served from L3 DRAM so far (FlatCake; 0 otherwise)."""
+    def _hits(self) -> tuple[int, int]:
+        """Pages the first all_pages pool served so far from L3 DRAM and from its SSD write
+        backlog in memory (FlatCake; ``(0, 0)`` otherwise)."""
         pc = getattr(self.system, "pool_counters", None)
         if pc is None or not self.derived:
-            return 0
-        return pc().get(self.derived[0].name, {}).get("hit_pages_dram", 0)
+            return 0, 0
+        c = pc().get(self.derived[0].name, {})
+        return c.get("hit_pages_dram", 0), c.get("queued_hit_pages", 0)
 
     # ---------------------------------------------------------------- write-back
     def _fill(self, specs, keys, host) -> None:

@@ -34,7 +34,7 @@ import torch
 
 from flatcake.config import FLATCAKE_EXTRA
 from flatcake.media.directio import drop_page_cache
-from flatcake.replay.budget import file_extra_at_equal_capacity
+from flatcake.replay.budget import file_extra_at_equal_capacity, flatcake_keys_at_equal_capacity
 from flatcake.replay.engine import ModelProfile
 from flatcake.replay.hybrid import HybridPools, pool_transfer
 from flatcake.replay.systems import COUNTER_KEYS, STORAGE_DIRS, L3System, extra_info, profile_storage_config
@@ -181,21 +181,14 @@ class FlatCakeV2System(V2System):
         return bool(res) and all(res), self.last_call_s
 
     def pool_counters(self) -> dict[str, dict[str, int]]:
-        """Per pool, its store's cumulative counters (:data:`COUNTER_KEYS`) now, with hits split
-        by the page's placement as the replay's DRAM/SSD columns are: ``hit_pages_ssd`` also
-        counts the SSD pages read from the write queue's in-memory copy before their round
-        reached the disk, which the store counts apart (``queued_hit_pages``, also reported).
-        Which of the two served an SSD page depends on when the queue's writer thread ran, so
-        only the sum is reproducible; the disk's own reads are ``ssd_read_bytes``/``_ops`` and
-        ``logical_read_bytes_ssd`` (``hit_pages_ssd - queued_hit_pages`` pages)."""
+        """Per pool, its store's cumulative counters (:data:`COUNTER_KEYS`) now, as the store
+        counts them: ``hit_pages_ssd`` are pages read from the disk (``logical_read_bytes_ssd``),
+        ``queued_hit_pages`` the SSD pages copied from the write backlog's in-memory round before
+        it reached the disk (memory, not SSD: the replay reports them as backlog hits). Which of
+        the two served an SSD page depends on when the queue's writer thread ran, so only their
+        sum is reproducible."""
         stats = self.inner.extra_pool_stats()
-        out = {}
-        for n, s in stats.items():
-            c = {k: int(s.get(k, 0)) for k in COUNTER_KEYS}
-            c["queued_hit_pages"] = int(s.get("queued_hit_pages", 0))
-            c["hit_pages_ssd"] += c["queued_hit_pages"]
-            out[n] = c
-        return out
+        return {n: {k: int(s.get(k, 0)) for k in COUNTER_KEYS} for n, s in stats.items()}
 
     def counters(self):
         """Sums over the pools, read once every pool's SSD write queue drained
@@ -305,9 +298,11 @@ class FileV2System(V2System):
 
 def make_hybrid_system(name: str, profile: ModelProfile, host_pool_pages: int, out_dir: Path,
                        flatcake_keys: Mapping[str, Any], file_extra: Optional[Mapping[str, Any]] = None,
-                       drop_cache: bool = True) -> L3System:
+                       drop_cache: bool = True, equal_capacity: bool = False) -> L3System:
     """Create system ``name`` (one of :data:`HYBRID_SYSTEMS`) for a hybrid profile with fresh
     :class:`HybridPools` of ``host_pool_pages`` pages and an empty storage directory.
+    ``equal_capacity``: FlatCake's write backlog counted in its DRAM budget, as
+    :func:`~flatcake.replay.systems.make_system`.
 
     Raises:
         ValueError: ``name`` cannot run a hybrid profile.
@@ -324,7 +319,8 @@ def make_hybrid_system(name: str, profile: ModelProfile, host_pool_pages: int, o
     if name == "file":
         return FileV2System(profile, pools, root, file_extra_at_equal_capacity(flatcake_keys, file_extra or {}),
                             drop_cache)
-    return FlatCakeV2System(profile, pools, root, flatcake_keys)
+    return FlatCakeV2System(profile, pools, root,
+                            flatcake_keys_at_equal_capacity(flatcake_keys) if equal_capacity else flatcake_keys)
 
 
 def restrict_to_hybrid(settings: dict) -> None:

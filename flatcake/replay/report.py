@@ -5,10 +5,12 @@ Definitions (per system, over the replayed requests):
 * ``delivered_hit_rate`` = (HBM hit pages + pages actually delivered from L3) / prompt pages: only
   pages in engine memory before prefill started count (a page the hit query reported but that was
   not read in time is a miss).
-* ``hit_tokens`` = delivered pages × ``page_size``, by medium (``hbm``, L3 ``dram``, L3 ``ssd``).
+* ``hit_tokens`` = delivered pages × ``page_size``, by where they came from: ``hbm``, L3
+  ``dram``, ``backlog`` (FlatCake's SSD pages served from its write backlog, the in-memory copy
+  of a round not yet on disk: memory, not the disk) and ``ssd`` (read from the disk);
+  ``backlog_hit_pages`` = ``hit_tokens.backlog`` in pages.
 * ``read_amplification`` = SSD bytes read / logical bytes of the pages read from SSD (the
-  system's ``logical_read_bytes_ssd``; FlatCake's leaves out SSD pages it served from its write
-  queue's in-memory copy, which ``hit_tokens.ssd`` counts by placement).
+  system's ``logical_read_bytes_ssd``, which leaves out backlog hits as ``hit_tokens.ssd`` does).
 * ``write_amplification`` = bytes written to the media (SSD + L3 DRAM) / logical page bytes stored.
 * ``ssd_read_gbps`` = SSD bytes read / seconds spent inside the read calls (GB = 1e9 bytes).
 * ``ttft_s``: measured storage time of the hit query and read calls + modelled host→HBM load +
@@ -21,6 +23,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from flatcake.replay.budget import EqualCapacity
 from flatcake.replay.engine import RequestOutcome
 
 
@@ -56,14 +59,17 @@ def system_summary(outcomes: Sequence[RequestOutcome], counters: Mapping[str, in
     pages = sum(o.pages for o in outcomes)
     hbm = sum(o.hbm_pages for o in outcomes)
     dram = sum(o.dram_pages for o in outcomes)
-    ssd = sum(o.ssd_pages for o in outcomes)
+    backlog = sum(o.backlog_pages for o in outcomes)
+    ssd = sum(o.ssd_pages for o in outcomes) - backlog  # read from the disk
     ttft = np.array([o.ttft_s for o in outcomes], dtype=np.float64) if outcomes else np.zeros(1)
     read_s = sum(o.read_s for o in outcomes)
     ssd_read = int(counters.get("ssd_read_bytes", 0))
     media_written = int(counters.get("ssd_write_bytes", 0)) + int(counters.get("dram_write_bytes", 0))
     return {
-        "delivered_hit_rate": _ratio(hbm + dram + ssd, pages),
-        "hit_tokens": {"hbm": hbm * page_size, "dram": dram * page_size, "ssd": ssd * page_size},
+        "delivered_hit_rate": _ratio(hbm + dram + backlog + ssd, pages),
+        "hit_tokens": {"hbm": hbm * page_size, "dram": dram * page_size, "backlog": backlog * page_size,
+                       "ssd": ssd * page_size},
+        "backlog_hit_pages": int(backlog),
         "prompt_tokens": int(sum(o.prompt_tokens for o in outcomes)),
         "prompt_pages": pages,
         "l3_query_hit_pages": int(sum(o.l3_query_pages for o in outcomes)),
@@ -123,7 +129,8 @@ _ROWS: list[tuple[str, Any, str]] = [
     ("delivered hit rate", lambda s: s["delivered_hit_rate"], "pct"),
     ("hit tokens HBM", lambda s: s["hit_tokens"]["hbm"], ""),
     ("hit tokens L3 DRAM", lambda s: s["hit_tokens"]["dram"], ""),
-    ("hit tokens L3 SSD", lambda s: s["hit_tokens"]["ssd"], ""),
+    ("hit tokens L3 write backlog (memory)", lambda s: s["hit_tokens"].get("backlog", 0), ""),
+    ("hit tokens L3 SSD (read from disk)", lambda s: s["hit_tokens"]["ssd"], ""),
     ("prompt tokens", lambda s: s["prompt_tokens"], ""),
     ("TTFT mean (s)", lambda s: s["ttft_s"]["mean"], "s"),
     ("TTFT p50 (s)", lambda s: s["ttft_s"]["p50"], "s"),
@@ -154,6 +161,28 @@ def scale_note(n: int) -> str:
             "timings (TTFT, latencies, throughput, GB/s) are NOT meaningful.").replace("{n}", str(n))
 
 
+def policy_note(engine: Mapping[str, Any]) -> str:
+    """The prefetch policy of a run (``engine``: :class:`~flatcake.replay.engine.EngineConfig`'s
+    fields), for ``summary.md`` and the figures."""
+    policy = engine.get("prefetch_policy", "?")
+    if policy == "timeout":
+        base, per_ki = engine.get("prefetch_timeout_base_s", 0), engine.get("prefetch_timeout_per_ki_token_s", 0)
+        return (f"prefetch policy `timeout` (SGLang's default): a prefetch still reading {base:g} s + {per_ki:g} s "
+                "per 1024 requested tokens after it was first waited for is cut; the rest is recomputed")
+    if policy == "wait_complete":
+        return "prefetch policy `wait_complete`: every hit page is waited for (not SGLang's default, `timeout`)"
+    return f"prefetch policy `{policy}`"
+
+
+def policy_label(engine: Mapping[str, Any]) -> str:
+    """The prefetch policy in a few words (figure titles)."""
+    policy = engine.get("prefetch_policy", "?")
+    if policy == "timeout":
+        return (f"prefetch policy: timeout ({engine.get('prefetch_timeout_base_s', 0):g} s + "
+                f"{engine.get('prefetch_timeout_per_ki_token_s', 0):g} s per Ki tokens)")
+    return f"prefetch policy: {policy}"
+
+
 def markdown(summary: Mapping[str, Any]) -> str:
     """The side-by-side table of ``summary`` (as written to ``summary.md``)."""
     systems: Mapping[str, Any] = summary["systems"]
@@ -168,6 +197,8 @@ def markdown(summary: Mapping[str, Any]) -> str:
         f"- ideal (infinite-cache) page hit rate: {_fmt(summary['ideal_hit_rate'], 'pct')}",
         f"- model profile: {m.get('name')} ({m.get('attention')}, {m.get('page_bytes', 0) / 1024:.0f} KiB "
         f"per {m.get('page_size')}-token page); HBM {summary.get('engine', {}).get('hbm_pages')} pages",
+        f"- {policy_note(summary.get('engine', {}))}",
+        *([f"- {EqualCapacity(**summary['equal_capacity']).note()}"] if summary.get("equal_capacity") else []),
         "- TTFT = measured storage time (L3 hit query + reads) + modelled host→HBM load + modelled "
         "prefill compute (no GPU here); requests are served one at a time (no queueing).",
         *[f"- system {n} skipped: {why}" for n, why in summary.get("skipped_systems", {}).items()],
@@ -199,8 +230,9 @@ def _pool_rows(systems: Mapping[str, Any], names: list) -> list[str]:
     return rows
 
 
-def plot_ttft_cdf(ttfts: Mapping[str, Sequence[float]], path) -> None:
-    """Write a TTFT CDF (one line per system, seconds on a log axis) to ``path`` (PNG)."""
+def plot_ttft_cdf(ttfts: Mapping[str, Sequence[float]], path, title: str = "") -> None:
+    """Write a TTFT CDF (one line per system, seconds on a log axis) to ``path`` (PNG), titled
+    ``title`` (the run's prefetch policy)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -215,6 +247,8 @@ def plot_ttft_cdf(ttfts: Mapping[str, Sequence[float]], path) -> None:
     ax.set_xlabel("TTFT (s): measured storage + modelled load and prefill")
     ax.set_ylabel("fraction of requests")
     ax.grid(True, which="both", alpha=0.3)
+    if title:
+        ax.set_title(title, fontsize=9)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -16,12 +16,22 @@ and scheduler::
                   Reads in 128-page batch_get_v1 calls, stopping at the first page not delivered
     verify        one thread checks every delivered page's bytes, then frees its host pages
                   (harness work: outside every timed call, off the lanes)
-    GPU           a modelled timeline in real time: admits ready requests (prefetch done, or
-                  its deadline passed with ``prefetch_policy: timeout``) in arrival order up to
-                  ``max_running``; each step runs up to ``chunk_tokens`` of chunked prefill plus
-                  one decode token per running request, and sleeps the step's modelled time
+    GPU           a modelled timeline in real time: admits ready requests (prefetch done, or,
+                  with ``prefetch_policy: timeout``, SGLang's default, its deadline passed: the
+                  clock starts at the first admission poll that finds the prefetch not done, as
+                  SGLang's) in arrival order up to ``max_running``; each step runs up to
+                  ``chunk_tokens`` of chunked prefill plus one decode token per running request,
+                  and sleeps the step's modelled time
     backup        one thread writes each request's computed pages (batch_set_v1, 128 pages) once
                   its prefill is done, concurrently with the reads (SGLang's write-through)
+
+Harness work around the calls, on the thread that made them and outside their timing, as in the
+one-request-at-a-time engine: the system's ``prepare_set`` before each write and ``after_call``
+after each read and write (``file``: count the page files written, flush them, and drop the
+files written and read from the OS page cache, so its buffered reads come from the disk as
+FlatCake's direct I/O does); and, where the hit query found pages in FlatCake's write backlog,
+their medium again just before the read, so a page counts as a backlog hit only while its round
+is still in memory.
 
 What is measured and what is modelled: every storage call (hit query, reads, writes) runs for
 real against the backend on its own thread, concurrently; the GPU's step times are modelled
@@ -95,7 +105,8 @@ class Live:
     delivered: int = 0
     read_pages: int = 0
     dram_pages: int = 0
-    ssd_pages: int = 0
+    ssd_pages: int = 0  # placed on SSD, backlog_pages included
+    backlog_pages: int = 0  # of ssd_pages: served from FlatCake's write backlog (in memory)
     declined_tokens: int = 0
     revoked_tokens: int = 0
     verify_failures: int = 0
@@ -110,7 +121,8 @@ class Live:
     t_admit: float = 0.0
     t_first: float = 0.0
     t_done: float = 0.0
-    deadline: float = float("inf")
+    timeout_s: Optional[float] = None  # prefetch_policy timeout: SGLang's budget for the span asked
+    deadline: float = float("inf")  # set at the first admission poll that finds the prefetch not done
     host: Optional[torch.Tensor] = None
     media: tuple = ()
     leader: Optional["Live"] = None
@@ -129,9 +141,12 @@ class Live:
 
     def deliver(self, pages: int, media: tuple) -> None:
         """The first ``pages`` of the hit reached the host pool in time: count them, split by
-        medium from ``media`` (per key, as ``medium_summary`` gave it)."""
+        medium from ``media`` (per key, as ``medium_summary`` gave it: ``dram``, ``ssd``, or
+        ``queued`` for an SSD page still in FlatCake's write backlog, a backlog hit)."""
         self.delivered = pages
-        self.dram_pages = media[:pages].count("dram")
+        head = media[:pages]
+        self.dram_pages = head.count("dram")
+        self.backlog_pages = head.count("queued")
         self.ssd_pages = pages - self.dram_pages
 
     @property
@@ -209,15 +224,19 @@ class ServingModel:
             self._prefetch(r)
 
     def _set_ready(self, r: Live) -> None:
-        r.t_ready = time.monotonic()
-        r.prefetch_s = r.t_ready - r.arrival
-        r.ready.set()
         with self._cv:
+            if r.cancelled:  # admitted on its deadline: that admission was its ready time
+                return
+            r.t_ready = time.monotonic()
+            r.prefetch_s = r.t_ready - r.arrival
+            r.ready.set()
             self._cv.notify_all()
 
     def _prefetch(self, r: Live) -> None:
         P, thr, sysm = self.profile.page_size, self.engine.prefetch_threshold_tokens, self.system
         rest = list(r.fetch_keys)
+        if r.cancelled:  # its deadline passed before its hit query ran: admitted without L3
+            return
         if sysm is not None and rest and len(rest) * P >= thr:
             t0 = time.perf_counter()
             hit = sysm.exists(rest, list(r.keys[: r.hbm_pages]))
@@ -225,9 +244,6 @@ class ServingModel:
             r.hit = max(0, min(int(hit), len(rest))) if hit * P >= thr else 0
         if not r.hit:
             return self._set_ready(r)
-        timeout = self.engine.prefetch_timeout_s(r.hit * P)
-        if timeout is not None:
-            r.deadline = r.arrival + timeout
         lead = self._inflight.get(rest[0])
         if lead is not None and lead.hit >= r.hit and list(lead.fetch_keys[: r.hit]) == rest[: r.hit]:
             with self._cv:  # the same prefix is being read for another request: read it once
@@ -248,16 +264,23 @@ class ServingModel:
 
     def _read(self, r: Live) -> None:
         """The request's reads (a lane thread): 128-page calls, timed, stopping at the first
-        page not delivered or once the request was admitted without them (``timeout``)."""
+        page not delivered or once the request was admitted without them (``timeout``). Around
+        each call, untimed: the pages' medium again when the hit query found some in the write
+        backlog (its writer may have put them on disk since), and the system's ``after_call``."""
         P, rest, prefix = self.profile.page_size, list(r.fetch_keys), list(r.keys[: r.hbm_pages])
+        sysm = self.system
         for b in range(0, r.hit, STORAGE_BATCH_PAGES):
             if r.cancelled:
                 return
             batch = rest[b: min(r.hit, b + STORAGE_BATCH_PAGES)]
             host = r.host[b * P: (b + len(batch)) * P]
+            e = b + len(batch)
+            if "queued" in r.media[b:e]:  # harness: still in the backlog now?
+                r.media = r.media[:b] + tuple(sysm.medium_summary(batch).media) + r.media[e:]
             t0 = time.perf_counter()
-            got, _, _ = self.system.get(batch, host, prefix + rest[:b])
+            got, _, _ = sysm.get(batch, host, prefix + rest[:b])
             r.read_s += time.perf_counter() - t0
+            sysm.after_call()  # harness: e.g. file drops the page files it read from the page cache
             r.read_pages += got
             if got < len(batch):
                 return
@@ -302,7 +325,9 @@ class ServingModel:
                 try:
                     for i, k in enumerate(batch):
                         content.fill(int(host[i * P]), k)
+                    self.system.prepare_set(batch)  # harness, as the engine: untimed
                     ok = self.system.set(batch, host, list(r.keys[: start + b]))
+                    self.system.after_call()  # file: count, flush and drop the page files written
                 finally:
                     self._free(host)
                 if not ok:
@@ -316,12 +341,17 @@ class ServingModel:
             if len(running) >= self.cfg.max_running:
                 return
             if not r.ready.is_set():
-                if now < r.deadline or r.leader is not None:
+                if r.timeout_s is None or r.leader is not None:
                     continue  # SGLang skips a request whose prefetch is not done
+                if r.deadline == float("inf"):  # SGLang starts the wait at the first blocked poll
+                    r.deadline = now + r.timeout_s
+                if now < r.deadline:
+                    continue
                 r.cancelled = True  # timeout: admitted with what was read so far
                 r.deliver(r.read_pages, r.media)
                 r.revoked_tokens = (r.hit - r.delivered) * self.profile.page_size
                 r.t_ready = now
+                r.prefetch_s = now - r.arrival
             self._waiting.remove(r)
             r.t_admit = now
             cached = (r.hbm_pages + r.delivered) * self.profile.page_size
@@ -420,9 +450,13 @@ class ServingModel:
 
     def _arrive(self, i: int, q: TraceRequest, ks: Sequence[str]) -> Live:
         r = Live(i, ks, q.prompt_tokens, max(1, q.output_tokens), time.monotonic())
-        r.reusable_pages = reusable_pages(len(ks), q.prompt_tokens, self.profile.page_size)
+        P = self.profile.page_size
+        r.reusable_pages = reusable_pages(len(ks), q.prompt_tokens, P)
         with self._hbm_lock:
             r.hbm_pages = self.hbm.match_prefix(ks[: r.reusable_pages])
+        span = len(r.fetch_keys) * P  # SGLang's requested span: its timeout budget, known before the query
+        if self.system is not None and span and span >= self.engine.prefetch_threshold_tokens:
+            r.timeout_s = self.engine.prefetch_timeout_s(span)
         with self._cv:
             self._waiting.append(r)
         self._query_q.put(r)
@@ -430,7 +464,9 @@ class ServingModel:
 
 
 def serving_summary(lives: Sequence[Live], page_size: int, wall_s: float, backup_skipped_pages: int = 0) -> dict:
-    """Per system and rate: delivered hit rate, hits by medium, TTFT, queueing, SSD prefetch
+    """Per system and rate: delivered hit rate, hits by medium (``hit_tokens``: ``hbm``,
+    ``dram``, ``backlog`` = SSD pages FlatCake served from its write backlog in memory, also as
+    ``backlog_hit_pages``, and ``ssd`` = read from the disk), TTFT, queueing, SSD prefetch
     latency, DRAM-lane wait, declined and revoked prefetch tokens, throughput (seconds, tokens).
     ``makespan_s`` is first arrival to last token; ``wall_s`` (given) also covers the write-backs
     still draining after it, so ``tokens_per_s`` (over the makespan) does not charge a system
@@ -447,7 +483,8 @@ def serving_summary(lives: Sequence[Live], page_size: int, wall_s: float, backup
     pages = sum(len(r.keys) for r in lives)
     hbm = sum(r.hbm_pages for r in lives)
     dram = sum(r.dram_pages for r in lives)
-    ssd = sum(r.ssd_pages for r in lives)
+    backlog = sum(r.backlog_pages for r in lives)
+    ssd = sum(r.ssd_pages for r in lives) - backlog  # read from the disk
     ssd_lane = [r for r in lives if r.lane in ("ssd", "fifo") and r.ssd_pages]
     dram_only = [r for r in lives if r.lane in ("dram", "fifo") and r.hit and not r.media.count("ssd")]
     tokens = sum(r.prompt_tokens + r.decode_total for r in lives)
@@ -455,8 +492,10 @@ def serving_summary(lives: Sequence[Live], page_size: int, wall_s: float, backup
     return {
         "requests": len(lives),
         "offered_qps": offered_qps([r.arrival for r in lives]),
-        "delivered_hit_rate": (hbm + dram + ssd) / pages if pages else None,
-        "hit_tokens": {"hbm": hbm * page_size, "dram": dram * page_size, "ssd": ssd * page_size},
+        "delivered_hit_rate": (hbm + dram + backlog + ssd) / pages if pages else None,
+        "hit_tokens": {"hbm": hbm * page_size, "dram": dram * page_size, "backlog": backlog * page_size,
+                       "ssd": ssd * page_size},
+        "backlog_hit_pages": backlog,
         "ttft_s": stats(r.ttft_s for r in lives),
         "queue_s": stats(r.t_admit - r.t_ready for r in lives),
         "prefetch_s": stats(r.prefetch_s for r in lives),

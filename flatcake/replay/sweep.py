@@ -2,11 +2,14 @@
 concurrent serving model (:mod:`flatcake.replay.serving`), for each rate, scheduler and system.
 
 Each (rate, scheduler, system) run gets a fresh store in ``<out>/<STORAGE_DIRS[system]>``,
-removed afterwards unless ``keep_data``. Outputs in ``<out>/``: ``summary.json``
-(``{"trace", "requests", "ideal_hit_rate", "points": [{"qps", "systems": {label: summary}}],
-"runs": [{"qps", "scheduler", "system", ...serving_summary...}]}``; a label is the system's
-name, or ``system/scheduler`` when several schedulers ran), ``summary.md`` (the table, linking
-the figures) and the figures of :mod:`flatcake.replay.figures`.
+removed afterwards unless ``keep_data``; every system at equal capacity
+(:func:`~flatcake.replay.budget.equal_capacity`: FlatCake's write backlog counted in its DRAM
+budget). Outputs in ``<out>/``: ``summary.json`` (``{"trace", "requests", "ideal_hit_rate",
+"prefetch_policy", "engine", "equal_capacity", "points": [{"qps", "systems": {label:
+summary}}], "runs": [{"qps", "scheduler", "system", "prefetch_policy",
+...serving_summary...}]}``; a label is the system's name, or ``system/scheduler`` when several
+schedulers ran), ``summary.md`` (the table, linking the figures) and the figures of
+:mod:`flatcake.replay.figures` (titled with the prefetch policy).
 """
 
 from __future__ import annotations
@@ -20,10 +23,10 @@ from typing import Any, Optional, Sequence
 from flatcake.replay.engine import EngineConfig, ModelProfile, reusable_counts
 from flatcake.replay.keys import PageKeyer
 from flatcake.replay.serving import ServingConfig, serve
-from flatcake.replay.budget import check_disk_budget
-from flatcake.replay.systems import FIXED_SCHEDULER, STORAGE_DIRS, make_system
+from flatcake.replay.budget import EqualCapacity, check_disk_budget, equal_capacity
+from flatcake.replay.systems import FIXED_SCHEDULER, FLATCAKE_SYSTEMS, STORAGE_DIRS, make_system
 from flatcake.replay.figures import FIGURES, plot_sweep
-from flatcake.replay.report import scale_note, ssd_read_amplification
+from flatcake.replay.report import policy_label, policy_note, scale_note, ssd_read_amplification
 from flatcake.replay.traces import ideal_hit_rate, load_trace
 
 SCHEDULERS = ("fcfs", "mas")
@@ -86,13 +89,14 @@ def run_sweep(fc_keys: dict, settings: dict[str, Any], profile: ModelProfile, ec
         unique = len({k for ks in keys for k in ks})
         check_disk_budget(settings["systems"], unique * profile.page_bytes, fc_keys, settings["file_extra"], out,
                           together=False)
+    capacity = equal_capacity(fc_keys) if set(settings["systems"]) & set(FLATCAKE_SYSTEMS) else None
     out.mkdir(parents=True, exist_ok=True)
     runs = []
     for qps in rates:
         for sched, name in sweep_pairs(schedulers, settings["systems"]):
             system = make_system(name, profile, settings["host_pool_pages"], out, fc_keys,
                                  settings["file_extra"], settings["drop_page_cache"], settings["tiered_extra"],
-                                 mooncake_extra=settings.get("mooncake_extra"))
+                                 mooncake_extra=settings.get("mooncake_extra"), equal_capacity=True)
             try:
                 s = serve(system, profile, ecfg, ServingConfig(qps=qps, scheduler=sched, ssd_restores=ssd_restores,
                                                             think_time_scale=settings["think_time_scale"]),
@@ -102,15 +106,18 @@ def run_sweep(fc_keys: dict, settings: dict[str, Any], profile: ModelProfile, ec
                 if not settings["keep_data"] and name in STORAGE_DIRS:
                     shutil.rmtree(out / STORAGE_DIRS[name], ignore_errors=True)
             s["read_amplification"] = read_amplification(s, profile.page_size, profile.page_bytes)
-            runs.append({"qps": qps, "scheduler": sched, "system": name, **s})
+            runs.append({"qps": qps, "scheduler": sched, "system": name, "prefetch_policy": ecfg.prefetch_policy, **s})
     hits, total = ideal_hit_rate(keys, reusable_counts(reqs, keys, profile.page_size))
     result = {"trace": os.path.normpath(str(settings["trace"])), "requests": len(reqs),
-              "ideal_hit_rate": hits / total if total else None, "scale": settings.get("scale", 1),
+              "ideal_hit_rate": hits / total if total else None, "prefetch_policy": ecfg.prefetch_policy,
+              "engine": dict(ecfg.__dict__), **({"equal_capacity": capacity.as_dict()} if capacity else {}),
+              "scale": settings.get("scale", 1),
               "timings_meaningful": settings.get("scale", 1) == 1,
               "skipped_systems": dict(settings.get("skipped_systems", {})),
               "points": sweep_points(runs, multi_scheduler=len(schedulers) > 1), "runs": runs}
     (out / "summary.json").write_text(json.dumps(result, indent=2) + "\n")
-    figures = plot_sweep(result["points"], result["ideal_hit_rate"], out) if settings.get("plot", True) else []
+    figures = (plot_sweep(result["points"], result["ideal_hit_rate"], out, policy_label(ecfg.__dict__))
+               if settings.get("plot", True) else [])
     (out / "summary.md").write_text(serving_markdown(result, figures))
     return result
 
@@ -136,13 +143,16 @@ def read_amplification(run: dict, page_size: int, page_bytes: int) -> Optional[f
 def serving_markdown(result: dict[str, Any], figures: Sequence[str] = ()) -> str:
     """One row per (rate, scheduler, system), the configured ``qps`` beside the ``offered qps``
     the run measured; "–" where nothing was measured (e.g. no SSD restore at all); then links
-    to ``figures``."""
-    head = ("| qps | scheduler | system | offered qps | hit rate | TTFT mean (s) | TTFT p99 (s) | queue p99 (s) | "
-            "SSD prefetch p99 (s) | DRAM-lane wait p99 (s) | declined tok | revoked tok | tok/s | failed-put pages | "
-            "verify failures |")
+    to ``figures``. Above the table: the prefetch policy and the equal capacities."""
+    head = ("| qps | scheduler | system | offered qps | hit rate | backlog hit pages | TTFT mean (s) | TTFT p99 (s) | "
+            "queue p99 (s) | SSD prefetch p99 (s) | DRAM-lane wait p99 (s) | declined tok | revoked tok | tok/s | "
+            "failed-put pages | verify failures |")
     ideal = result.get("ideal_hit_rate")
+    notes = [f"- {policy_note(result.get('engine') or {'prefetch_policy': result.get('prefetch_policy', '?')})}"]
+    if result.get("equal_capacity"):
+        notes.append(f"- {EqualCapacity(**result['equal_capacity']).note()}")
     rows = [f"Trace `{result['trace']}`, {result['requests']} requests, ideal hit rate "
-            f"{'–' if ideal is None else format(ideal, '.2%')}.", "", head, "|" + "---|" * 15]
+            f"{'–' if ideal is None else format(ideal, '.2%')}.", "", *notes, "", head, "|" + "---|" * 16]
     if result.get("scale", 1) > 1:
         rows[1:1] = ["", scale_note(result["scale"])]
     def f(v, spec=".3f"):
@@ -150,7 +160,7 @@ def serving_markdown(result: dict[str, Any], figures: Sequence[str] = ()) -> str
 
     for r in result["runs"]:
         rows.append(f"| {r['qps']:g} | {r['scheduler']} | {r['system']} | {f(r.get('offered_qps'), '.3g')} | "
-                    f"{f(r['delivered_hit_rate'], '.2%')} | "
+                    f"{f(r['delivered_hit_rate'], '.2%')} | {r.get('backlog_hit_pages', 0):,} | "
                     f"{f(r['ttft_s']['mean'])} | {f(r['ttft_s']['p99'])} | {f(r['queue_s']['p99'])} | "
                     f"{f(r['ssd_prefetch_s']['p99'])} | {f(r['dram_lane_wait_p99_s'])} | "
                     f"{r['declined_prefetch_tokens']:,} | {r['revoked_prefetch_tokens']:,} | "

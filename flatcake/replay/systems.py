@@ -17,14 +17,18 @@ cache controller calls it (``managers/cache_controller.py`` in sglang 0.5.23).
   (this machine has more RAM than the demo writes). With ``drop_page_cache`` (default on) the
   harness flushes each newly written page file (one ``os.sync()`` per write call) and drops it and
   every file it read from the page cache (``posix_fadvise(DONTNEED)``), outside the timed calls,
-  so its reads hit the disk as FlatCake's O_DIRECT reads do.
+  so its reads hit the disk as FlatCake's O_DIRECT reads do. Both replay models do this: each
+  calls ``prepare_set`` before and ``after_call`` after every ``get``/``set``, on the thread that
+  made the call (the serving model's lane and backup threads; the drop is advisory, so a drop
+  while another thread reads the same file only sends that read to the disk).
 
 Thread safety: the concurrent serving model (:mod:`flatcake.replay.serving`) calls ``exists``,
 ``get``, ``set`` and ``medium_summary`` from several threads at once and times each call itself;
 ``last_call_s`` is then meaningless, and ``get``'s DRAM/SSD split is taken from
 ``medium_summary`` instead of counter deltas.
 
-Lifecycle: ``make_system(name, ...)`` → ``exists``/``get``/``set`` per request →
+Lifecycle: ``make_system(name, ...)`` → ``exists``/``get``/``set`` per request (each ``set``
+preceded by ``prepare_set``, each ``get``/``set`` followed by ``after_call``) →
 ``counters()`` → ``close()``. Each call leaves the seconds spent in exactly the work SGLang's
 controller does for it (the backend call plus, on the generic path, the dummy pages and
 ``set_from_flat_data_page``) in ``last_call_s``; harness bookkeeping (counter snapshots,
@@ -46,7 +50,8 @@ import torch
 
 from flatcake.config import FLATCAKE_EXTRA
 from flatcake.media.directio import drop_page_cache
-from flatcake.replay.budget import dram_capacity, file_extra_at_equal_capacity, ssd_capacity
+from flatcake.replay.budget import (dram_capacity, file_extra_at_equal_capacity, flatcake_keys_at_equal_capacity,
+                                    ssd_capacity)
 from flatcake.replay.engine import ModelProfile
 
 log = logging.getLogger(__name__)
@@ -64,6 +69,7 @@ COUNTER_KEYS = (
     "logical_write_bytes",
     "logical_read_bytes_ssd",
     "merged_reads",
+    "queued_hit_pages",  # FlatCake: pages served from its SSD write backlog (in memory); 0 elsewhere
 )
 
 
@@ -137,6 +143,10 @@ class L3System:
         self.errors = 0
         self.inner = unwrap_failure_injector(backend)  # harness bookkeeping uses this one
         self.last_call_s = 0.0  # seconds of the last exists/get/set call (storage time)
+        #: of the last ``get``'s ``ssd_pages``, those served from a write backlog in memory before
+        #: their bytes reached the disk (FlatCake's ``ssd.write_backlog_bytes``; 0 elsewhere).
+        #: One-request-at-a-time replay only: the serving model takes it from the pages' media.
+        self.last_backlog_pages = 0
 
     def exists(self, keys: list[str], prefix_keys: list[str]) -> int:
         """``batch_exists(keys, extra_info(prefix_keys))``: leading run of present pages."""
@@ -157,7 +167,8 @@ class L3System:
 
         Returns:
             ``(delivered, dram_pages, ssd_pages)``: the leading run of pages delivered, split by
-            the L3 medium that served them.
+            the L3 medium they are placed on (``dram_pages + ssd_pages == delivered``); of the
+            ``ssd_pages``, those a write backlog served from memory are in ``last_backlog_pages``.
         """
         raise NotImplementedError
 
@@ -355,10 +366,14 @@ class FlatCakeSystem(L3System):
         return {k: int(s.get(k, 0)) for k in COUNTER_KEYS}
 
     def get(self, keys, host_indices, prefix_keys):
+        """The split from counter deltas around the call (exact one request at a time): DRAM
+        pages from ``hit_pages_dram``; the rest are SSD pages, of which ``queued_hit_pages``
+        were copied from the write backlog's in-memory round (``last_backlog_pages``)."""
         before = self._snap()
         count = self.get_v1(keys, host_indices, prefix_keys)
         after = self._snap()
         dram = min(count, after["hit_pages_dram"] - before["hit_pages_dram"])
+        self.last_backlog_pages = min(count - dram, after["queued_hit_pages"] - before["queued_hit_pages"])
         return count, dram, count - dram
 
     def set(self, keys, host_indices, prefix_keys):
@@ -381,6 +396,8 @@ SYSTEMS = ("flatcake", "flatcake-fcfs", "tiered", "mooncake", "file", "dram-only
 #: Each system's storage directory under the run's output directory (the others have none).
 STORAGE_DIRS = {"flatcake": "flatcake-ssd", "flatcake-fcfs": "flatcake-fcfs-ssd", "tiered": "tiered-ssd",
                 "mooncake": "mooncake-ssd", "file": "hicache-file"}
+#: The systems that are FlatCake (their DRAM budget includes the write backlog at equal capacity).
+FLATCAKE_SYSTEMS = ("flatcake", "flatcake-fcfs")
 #: Systems that fix the prefetch-I/O order under load (``flatcake-fcfs``: FlatCake with FC-MAS
 #: off, SGLang's FIFO); they run only in the serving model (``--qps``).
 FIXED_SCHEDULER = {"flatcake-fcfs": "fcfs"}
@@ -389,11 +406,18 @@ FIXED_SCHEDULER = {"flatcake-fcfs": "fcfs"}
 def make_system(name: str, profile: ModelProfile, host_pool_pages: int, out_dir: Path,
                 flatcake_keys: Mapping[str, Any], file_extra: Optional[Mapping[str, Any]] = None,
                 drop_page_cache: bool = True, tiered_extra: Optional[Mapping[str, Any]] = None,
-                mooncake_extra: Optional[Mapping[str, Any]] = None) -> L3System:
+                mooncake_extra: Optional[Mapping[str, Any]] = None, equal_capacity: bool = False) -> L3System:
     """Create system ``name`` with a fresh host pool and an empty storage directory
     ``out_dir/STORAGE_DIRS[name]`` (an old one is removed first; ``dram-only`` and ``recompute``
     have none). ``mooncake`` runs only inside the replay's network namespace
-    (:mod:`flatcake.replay.mooncake`)."""
+    (:mod:`flatcake.replay.mooncake`).
+
+    The baselines get FlatCake's capacities (``flatcake_keys``: DRAM ``dram.capacity_bytes``, SSD
+    ``ssd.max_files × ssd.file_bytes``). With ``equal_capacity`` (the replay's comparisons)
+    FlatCake's write backlog is counted in that DRAM budget: FlatCake is built with
+    ``dram.capacity_bytes − ssd.write_backlog_bytes``
+    (:func:`~flatcake.replay.budget.flatcake_keys_at_equal_capacity`, ``ValueError`` when the
+    backlog is larger); without it (benchmarks, the cluster replay's nodes) with its keys as given."""
     pool = profile.make_host_pool(host_pool_pages)
     if name in ("dram-only", "recompute"):
         from flatcake.replay.baselines import DramOnlySystem, RecomputeSystem
@@ -420,10 +444,11 @@ def make_system(name: str, profile: ModelProfile, host_pool_pages: int, out_dir:
         shutil.rmtree(root, ignore_errors=True)
         extra = file_extra_at_equal_capacity(flatcake_keys, file_extra or {})  # equal capacity
         return FileSystem(profile, pool, root, extra, drop_page_cache)
-    if name in ("flatcake", "flatcake-fcfs"):
+    if name in FLATCAKE_SYSTEMS:
         root = Path(out_dir) / STORAGE_DIRS[name]
         shutil.rmtree(root, ignore_errors=True)
-        system = FlatCakeSystem(profile, pool, root, flatcake_keys)
+        keys = flatcake_keys_at_equal_capacity(flatcake_keys) if equal_capacity else flatcake_keys
+        system = FlatCakeSystem(profile, pool, root, keys)
         system.name = name
         return system
     raise ValueError(f"unknown system {name!r} (known: {', '.join(SYSTEMS)})")

@@ -16,7 +16,9 @@ from flatcake.replay.hybrid import HybridPools, PoolContent
 from replay_fixtures import mooncake_path  # noqa: F401  (pytest fixture)
 
 PAGE = 64
-FC_OVERRIDES = {"dram.capacity_bytes": 1 << 20, "ssd.file_bytes": 4 << 20, "ssd.max_files": 8}
+# a 9 MiB DRAM budget, 8 MiB of it FlatCake's write backlog (equal capacity): a 1 MiB DRAM medium
+FC_OVERRIDES = {"dram.capacity_bytes": 9 << 20, "ssd.write_backlog_bytes": 8 << 20, "ssd.file_bytes": 4 << 20,
+                "ssd.max_files": 8}
 POOLS = [{"name": "deepseek_v4_c4", "layers": 2, "item_bytes": 96},
          {"name": "deepseek_v4_c4_indexer", "layers": 2, "item_bytes": 40},
          {"name": "swa", "layers": 2, "item_bytes": 200, "hit_policy": "trailing_pages", "window_pages": 1}]
@@ -49,7 +51,7 @@ def test_hybrid_mooncake_reuses_restored_by_every_pool_where_the_window_was_stor
     s = _run(tmp_path, mooncake_path, [system])
     r = s["systems"][system]
     assert r["hybrid"] is True and r["verify_failures"] == 0 and r["backend_errors"] == 0
-    assert r["hit_tokens"]["dram"] + r["hit_tokens"]["ssd"] == 40 * PAGE
+    assert r["hit_tokens"]["dram"] + r["hit_tokens"]["backlog"] + r["hit_tokens"]["ssd"] == 40 * PAGE
     assert r["delivered_hit_rate"] == pytest.approx(40 / 88) and s["ideal_hit_rate"] == pytest.approx(47 / 88)
     assert r["written_pages"] == 48 and r["trailing_misses"] == 0
     p = r["pools"]
@@ -63,17 +65,19 @@ def test_hybrid_mooncake_reuses_restored_by_every_pool_where_the_window_was_stor
         assert r["ssd_read_bytes"] == 40 * (192 + 80) + 2 * 400 and r["ssd_read_ops"] == 40 * 2 + 2
         assert r["ssd_write_bytes"] == 40 * (192 + 80) + 4 * 400  # HiCacheFile skips the keys it holds
     else:  # FlatCake's extra-pool stores: each pool read exactly its pages
-        assert p["deepseek_v4_c4"]["counters"]["hit_pages_ssd"] + p["deepseek_v4_c4"]["counters"]["hit_pages_dram"] == 40
-        assert p["swa"]["counters"]["hit_pages_ssd"] + p["swa"]["counters"]["hit_pages_dram"] == 2
         assert r["logical_write_bytes"] == 40 * (192 + 80) + 4 * 400
-        # the same per pool, whenever the write queue's writer ran: hits by placement (an SSD page
-        # read from the queue's copy is an SSD hit), every round drained before the counters
+        # per pool, whenever the write queue's writer ran: every hit from DRAM, from the write
+        # backlog's in-memory copy (queued_hit_pages, not an SSD hit) or from the disk, every round
+        # drained before the counters
         for name, pb, hits, written in (("deepseek_v4_c4", 192, 40, 40), ("deepseek_v4_c4_indexer", 80, 40, 40),
                                         ("swa", 400, 2, 4)):
             c = p[name]["counters"]
-            assert c["hit_pages_ssd"] + c["hit_pages_dram"] == hits and c["logical_write_bytes"] == written * pb
-            assert 0 <= c["queued_hit_pages"] <= c["hit_pages_ssd"]
-            assert c["logical_read_bytes_ssd"] == (c["hit_pages_ssd"] - c["queued_hit_pages"]) * pb  # from disk
+            assert c["hit_pages_ssd"] + c["queued_hit_pages"] + c["hit_pages_dram"] == hits
+            assert c["logical_write_bytes"] == written * pb
+            assert c["logical_read_bytes_ssd"] == c["hit_pages_ssd"] * pb  # read from the disk
+        c4 = p["deepseek_v4_c4"]["counters"]  # the page split of the summary is the first pool's
+        assert (r["hit_tokens"]["dram"], r["hit_tokens"]["backlog"], r["hit_tokens"]["ssd"]) == \
+            (c4["hit_pages_dram"] * PAGE, c4["queued_hit_pages"] * PAGE, c4["hit_pages_ssd"] * PAGE)
     assert s["model"]["pools"][0]["page_bytes"] == 192 and s["model"]["page_bytes"] == 272
 
 
@@ -90,7 +94,8 @@ def test_a_prefix_without_its_trailing_window_is_not_restored(tmp_path):
     s = _run(tmp_path, trace, ["flatcake", "file"])
     for n in ("flatcake", "file"):
         r = s["systems"][n]
-        assert r["l3_query_hit_pages"] == 24 and r["hit_tokens"]["ssd"] + r["hit_tokens"]["dram"] == 24 * PAGE
+        assert r["l3_query_hit_pages"] == 24
+        assert r["hit_tokens"]["ssd"] + r["hit_tokens"]["backlog"] + r["hit_tokens"]["dram"] == 24 * PAGE
         assert r["verify_failures"] == 0 and r["pools"]["swa"]["delivered_pages"] == 1
         assert r["computed_pages"] == 24 + 24
 
@@ -111,7 +116,8 @@ def test_pool_contents_differ_per_pool_and_a_flipped_byte_fails(tmp_path):
 
 def test_other_systems_are_skipped_and_qps_refused(tmp_path, mooncake_path, capsys):
     cfg = tmp_path / "c.yaml"
-    cfg.write_text(yaml.safe_dump({"ssd": {"file_bytes": 4 << 20, "max_files": 8}, "dram": {"capacity_bytes": 1 << 20},
+    cfg.write_text(yaml.safe_dump({"ssd": {"file_bytes": 4 << 20, "max_files": 8, "write_backlog_bytes": 8 << 20},
+                                   "dram": {"capacity_bytes": 9 << 20},
                                    "model": hybrid_profile().as_dict() | {"pools": POOLS},
                                    "replay": {"trace": str(mooncake_path), "hbm_pages": 0, "host_pool_pages": 256,
                                               "prefetch_threshold_tokens": 0, "plot": False}}))

@@ -109,6 +109,7 @@ class _DictSystem:
         self.store = {}
         self.corrupt_key = corrupt_key
         self.last_call_s = 0.0
+        self.last_backlog_pages = 0  # no write backlog: every page it serves is "on SSD"
         self.calls = []
 
     def exists(self, keys, prefix_keys):

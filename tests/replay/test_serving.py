@@ -26,7 +26,10 @@ def req(at, blocks, tail=32, ns="weka:t", session=None):
 def warm_then_serve(tmp_path, profile, warm, measured, scheduler="mas", host_pool_pages=512, asks=(), slow_get_s=0.0,
                     **engine):
     """Hit-query ``asks``, write ``warm`` one request at a time, then serve ``measured``
-    concurrently; returns ``(lives, summary, counter deltas)``."""
+    concurrently; returns ``(lives, summary, counter deltas)``. The prefetch policy is
+    ``wait_complete`` unless ``engine`` says otherwise: these counts must not depend on how fast
+    this machine reads (the default, SGLang's ``timeout``, cuts a slow prefetch)."""
+    engine.setdefault("prefetch_policy", "wait_complete")
     keyer = PageKeyer(profile.page_size)
     system = make_system("flatcake", profile, host_pool_pages, tmp_path, FC)
     try:
@@ -59,7 +62,7 @@ def test_two_requests_for_the_same_session_prefix_read_it_from_ssd_once(tmp_path
     assert [r.delivered for r in lives] == [40, 40] and [r.ssd_pages for r in lives] == [40, 40]
     assert s["shared_reads"] == 1 and s["verify_failures"] == 0
     assert d["logical_read_bytes_ssd"] == 40 * PAGE_BYTES  # once, not twice
-    assert s["hit_tokens"] == {"hbm": 0, "dram": 0, "ssd": 80 * 64}
+    assert s["hit_tokens"] == {"hbm": 0, "dram": 0, "backlog": 0, "ssd": 80 * 64}  # warm rounds flushed to disk
     assert all(r.t_first > r.arrival for r in lives)
 
 
@@ -92,8 +95,10 @@ def test_every_page_delivered_under_load_is_verified_and_counted_by_medium(tmp_p
 
 def test_a_timeout_admits_with_what_was_read_and_never_counts_a_page_twice(tmp_path, tiny_profile):
     history = list(range(200))  # two 128-page read calls
+    # the wait starts at the GPU's first poll (within a step of the arrival): the hit query has
+    # 0.2 s to answer, the first read call takes 0.6 s
     lives, s, d = warm_then_serve(tmp_path, tiny_profile, [req(0.0, history)], [req(0.0, history + [1])],
-                                  slow_get_s=0.3, prefetch_policy="timeout", prefetch_timeout_base_s=0.05,
+                                  slow_get_s=0.6, prefetch_policy="timeout", prefetch_timeout_base_s=0.2,
                                   prefetch_timeout_per_ki_token_s=0.0)
     r = lives[0]
     assert (r.hit, r.delivered, r.revoked_tokens) == (200, 0, 200 * 64)  # admitted before any call returned
@@ -113,7 +118,8 @@ def test_a_refused_write_back_is_counted_as_failed_write_pages(tmp_path, tiny_pr
 
     system.set = refuse_second
     try:
-        ecfg = EngineConfig(hbm_pages=0, host_pool_pages=512, prefetch_threshold_tokens=0)
+        ecfg = EngineConfig(hbm_pages=0, host_pool_pages=512, prefetch_threshold_tokens=0,
+                            prefetch_policy="wait_complete")
         measured = [req(0.0, list(range(300)))]
         lives = ServingModel(system, tiny_profile, ecfg, ServingConfig(qps=100.0)).run(
             measured, [keyer.keys(r) for r in measured])

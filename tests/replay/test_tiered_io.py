@@ -238,3 +238,16 @@ def test_bad_tiered_extra_is_refused_naming_the_key(tmp_path, tiny_profile, extr
 def test_tiered_extra_defaults_and_whole_floats():
     assert check_extra(None) == {"bucket_bytes": 256 << 20, "staging_bytes": 1 << 30, "io_depth": 32}
     assert check_extra({"io_depth": 4.0, "bucket_bytes": 2.56e8})["io_depth"] == 4
+
+
+def test_scale_divides_tiered_byte_sizes_but_not_its_io_depth():
+    from pathlib import Path
+
+    from flatcake.config import load_config
+    from flatcake.replay.cli import REPLAY_DEFAULTS, apply_scale, resolve_model
+
+    root = Path(__file__).resolve().parents[2]
+    cfg = load_config(None, {})
+    settings = dict(REPLAY_DEFAULTS, tiered_extra={"io_depth": 32, "bucket_bytes": 64 << 20})
+    _, out, _ = apply_scale(cfg, settings, resolve_model(cfg, root / "configs"), 4)
+    assert out["tiered_extra"]["io_depth"] == 32 and out["tiered_extra"]["bucket_bytes"] == 16 << 20
