@@ -49,7 +49,7 @@ from flatcake.media.ssd import SsdFilePool
 from flatcake.read_path import ReadPath
 from flatcake.stats import StoreStats, write_rates
 from flatcake.write_path import WritePath, max_round_pages
-from flatcake.write_queue import WriteQueue
+from flatcake.write_queue import BACKLOG_POOL_SHARE, BacklogBudget, WriteQueue
 
 log = logging.getLogger("flatcake.store")
 
@@ -126,7 +126,7 @@ class PageStore:
     """
 
     def __init__(self, cfg: FlatCakeConfig, geometry: PageGeometry, namespace: str, restore_engine=None,
-                 *, instance: str = "", role: str = "single"):
+                 *, instance: str = "", role: str = "single", backlog_budget: Optional[BacklogBudget] = None):
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
         if role == "follower":  # another process writes these files: always check what we read
@@ -136,6 +136,7 @@ class PageStore:
         self.geometry = geometry
         self.namespace = namespace
         self.instance = instance  # pool-name component (the v2 adapter opens extra pools with it)
+        self.backlog_budget = backlog_budget  # the rank's write-backlog bound (None: this store's own)
         self.stats = StoreStats()
         self.errors = ErrorLog(log)
         self.dram = self.ssd = self.cio = self._journal = self.mirror = self.queue = None
@@ -198,9 +199,13 @@ class PageStore:
             # ranks, so the put writes its rounds itself (they are hits on every rank when it returns)
             log.info("flatcake: SSD write queue off: pages are shared with other TP ranks through SSD")
         if cfg.ssd.write_backlog_bytes > 0 and role == "single":  # reads first, writes in the gaps
-            self.queue = WriteQueue(cfg.ssd.write_backlog_bytes, self.backup.complete_queued, self.backup.drop_queued,
+            # this pool's share: at most BACKLOG_POOL_SHARE of its SSD capacity queued (pinned) at
+            # once, so a small pool keeps taking rounds; the rank's bound is shared by its pools
+            own = max(1, min(cfg.ssd.write_backlog_bytes, int(BACKLOG_POOL_SHARE * self.ssd.configured_capacity_bytes)))
+            self.queue = WriteQueue(own, self.backup.complete_queued, self.backup.drop_queued,
                                     self.stats, self.errors, cfg.node_id, defer_max_s=cfg.ssd.write_defer_max_s,
-                                    urgent_fraction=cfg.ssd.write_urgent_fraction)
+                                    urgent_fraction=cfg.ssd.write_urgent_fraction,
+                                    budget=self.backlog_budget or BacklogBudget(cfg.ssd.write_backlog_bytes))
             self.backup.attach_queue(self.queue, cfg.ssd.write_backlog_wait_s, cfg.node_id)
             self.reader.queue = self.queue
             native_write.warm_up()  # the writer's C piece loop, ready before the first round
@@ -472,6 +477,7 @@ class PageStore:
             pages_rebuilt=self.rebuilt.pages,
             **(self.queue.snapshot() if self.queue is not None else
                {"write_backlog_pages": 0, "write_backlog_bytes": 0, "write_backlog_limit_bytes": 0, "reads_in_flight": 0,
+                "write_backlog_rank_bytes": 0, "write_backlog_rank_limit_bytes": 0,
                 "write_deferral_p50_s": 0.0, "write_deferral_p99_s": 0.0, "write_deferral_max_s": 0.0,
                 "write_deferral_rounds": 0, "write_urgent_rounds": 0}),
             **write_rates(d["ssd_write_bytes"], time.monotonic() - self._opened_s, self.ssd.configured_capacity_bytes),

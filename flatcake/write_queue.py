@@ -63,6 +63,44 @@ WRITE_CHUNK_BYTES = 8 << 20
 DEFERRAL_SAMPLES = 4096
 
 
+#: the most of an SSD pool's capacity its write queue may hold queued (pinned, unwritten) at once:
+#: the rest keeps accepting rounds while the queue waits (a backlog as large as a small pool would
+#: pin most of it and make puts fail with "SSD pool full")
+BACKLOG_POOL_SHARE = 0.25
+
+
+class BacklogBudget:
+    """One rank's write-backlog bound (``ssd.write_backlog_bytes``), shared by the write queues
+    of every pool of that rank (the KV pool and each v2 extra pool: indexer, draft, compressed,
+    SWA), so they hold that many bytes together, not each (issue 24 item 3).
+
+    Attributes:
+        limit: bytes of queued rounds all the rank's queues may hold together.
+        used: bytes they hold now (rounds queued or being written).
+    """
+
+    def __init__(self, limit: int):
+        if limit <= 0:
+            raise ValueError("a backlog budget must be > 0 bytes")
+        self.limit = limit
+        self.used = 0
+        self.cond = threading.Condition()
+
+    def fits(self, nbytes: int) -> bool:
+        """A round of ``nbytes`` fits now (or no queue of the rank holds anything). Unlocked read."""
+        used = self.used
+        return not used or used + nbytes <= self.limit
+
+    def add(self, nbytes: int) -> None:
+        with self.cond:
+            self.used += nbytes
+
+    def sub(self, nbytes: int) -> None:
+        with self.cond:
+            self.used -= nbytes
+            self.cond.notify_all()
+
+
 @dataclass(eq=False)
 class QueuedRound:
     """One SSD round waiting in the queue.
@@ -144,10 +182,14 @@ class WriteQueue:
     """
 
     def __init__(self, backlog_bytes: int, complete: Callable, drop: Callable, stats, errors, node: int = 0,
-                 defer_max_s: float = 1.0, urgent_fraction: float = 0.5):
+                 defer_max_s: float = 1.0, urgent_fraction: float = 0.5, budget: Optional[BacklogBudget] = None):
         if backlog_bytes <= 0:
             raise ValueError("backlog_bytes must be > 0 (0 means: no queue, synchronous writes)")
+        #: this queue's own bound (its pool's share: :data:`BACKLOG_POOL_SHARE`)
         self.backlog_limit = backlog_bytes
+        #: the rank's bound, shared with its other pools' queues (a budget of its own when alone)
+        self.budget = budget if budget is not None else BacklogBudget(backlog_bytes)
+        self.urgent_fraction = urgent_fraction
         #: seconds the oldest round may wait for reads; backlog bytes past which writes stop waiting
         self.defer_max_s, self.urgent_bytes = defer_max_s, urgent_fraction * backlog_bytes
         #: seconds each round waited from submit to the start of its write (the last DEFERRAL_SAMPLES)
@@ -188,7 +230,7 @@ class WriteQueue:
     def _urgent_locked(self, now: Optional[float] = None) -> bool:
         """Writes may not wait for reads now: the backlog is past ``urgent_fraction`` or the oldest
         round (the one being written included) has waited ``defer_max_s``."""
-        if self._bytes > self.urgent_bytes:
+        if self._bytes > self.urgent_bytes or self.budget.used > self.urgent_fraction * self.budget.limit:
             return True
         oldest = self._in_flight if self._in_flight is not None else (self._jobs[0] if self._jobs else None)
         return oldest is not None and (now or time.monotonic()) - oldest.enqueued_s >= self.defer_max_s
@@ -300,18 +342,21 @@ class WriteQueue:
         """True when a round of ``nbytes`` fits under the backlog bound (or the queue, the round
         being written included, is empty)."""
         with self._cond:
-            return not self._closing and (not self._bytes or self._bytes + nbytes <= self.backlog_limit)
+            return not self._closing and self._own_room(nbytes) and self.budget.fits(nbytes)
+
+    def _own_room(self, nbytes: int) -> bool:
+        return not self._bytes or self._bytes + nbytes <= self.backlog_limit
 
     def wait_for_room(self, nbytes: int, timeout_s: float) -> bool:
         """Block until :meth:`has_room` (True) or ``timeout_s`` seconds passed / the queue
         closed (False)."""
         deadline = time.monotonic() + timeout_s
-        with self._cond:
-            while not self._closing and self._bytes and self._bytes + nbytes > self.backlog_limit:
+        with self.budget.cond:  # every queue of the rank notifies it when a round leaves
+            while not self._closing and not (self._own_room(nbytes) and self.budget.fits(nbytes)):
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False
-                self._cond.wait(left)
+                self.budget.cond.wait(left)
             return not self._closing
 
     def submit(self, job: QueuedRound) -> bool:
@@ -326,6 +371,7 @@ class WriteQueue:
                 self._pending[k] = (job, i)
             self._bytes += job.nbytes
             self._pages += len(job.keys)
+            self.budget.add(job.nbytes)
             self._publish_hold_locked()
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="flatcake-writer", daemon=True)
@@ -394,6 +440,7 @@ class WriteQueue:
                     del self._pending[k]
             self._bytes -= job.nbytes
             self._pages -= len(job.keys)
+            self.budget.sub(job.nbytes)
             if self._in_flight is job:
                 self._in_flight = None
             job.done = True
@@ -458,7 +505,9 @@ class WriteQueue:
 
     def snapshot(self) -> dict:
         """Backlog now: ``write_backlog_pages``, ``write_backlog_bytes`` (queued rounds,
-        the one being written included), ``write_backlog_limit_bytes``, ``reads_in_flight``; and
+        the one being written included), ``write_backlog_limit_bytes`` (this pool's bound),
+        ``write_backlog_rank_bytes`` / ``write_backlog_rank_limit_bytes`` (every pool of the rank
+        together, :class:`BacklogBudget`), ``reads_in_flight``; and
         the deferral of the last :data:`DEFERRAL_SAMPLES` rounds (seconds from submit to the start
         of their write): ``write_deferral_p50_s``, ``write_deferral_p99_s``,
         ``write_deferral_max_s`` (0 before the first round), ``write_deferral_rounds`` (rounds
@@ -469,9 +518,10 @@ class WriteQueue:
             pct = (lambda q: d[min(len(d) - 1, int(q * len(d)))]) if d else (lambda q: 0.0)
             return {"write_backlog_pages": self._pages, "write_backlog_bytes": self._bytes,
                     "write_backlog_limit_bytes": self.backlog_limit, "reads_in_flight": self._readers,
+                    "write_backlog_rank_bytes": self.budget.used, "write_backlog_rank_limit_bytes": self.budget.limit,
                     "write_deferral_p50_s": pct(0.5), "write_deferral_p99_s": pct(0.99),
                     "write_deferral_max_s": d[-1] if d else 0.0, "write_deferral_rounds": len(d),
                     "write_urgent_rounds": self.urgent_rounds}
 
 
-__all__ = ["MEDIUM_QUEUED", "QueuedPage", "QueuedRound", "WRITE_CHUNK_BYTES", "WriteQueue"]
+__all__ = ["BACKLOG_POOL_SHARE", "BacklogBudget", "MEDIUM_QUEUED", "QueuedPage", "QueuedRound", "WRITE_CHUNK_BYTES", "WriteQueue"]

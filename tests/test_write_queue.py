@@ -40,10 +40,15 @@ def keys_of(name: str, n: int = 2) -> list[str]:
     return [f"{name}{i}" for i in range(n)]
 
 
-def test_the_queue_is_on_by_default_with_a_1_gib_bound(ssd_dir):
-    store, pool, lay = make_store(ssd_dir, **HOLD)
-    assert store.queue is not None and store.queue.backlog_limit == 1 << 30
-    assert store.snapshot_stats()["write_backlog_limit_bytes"] == 1 << 30
+def test_the_queue_is_on_by_default_with_a_1_gib_bound_capped_by_a_quarter_of_the_pool(ssd_dir):
+    store, pool, lay = make_store(ssd_dir, **HOLD)  # a 32 MiB pool: its queue may pin 8 MiB of it
+    assert store.queue is not None and store.queue.backlog_limit == 8 << 20 and store.queue.budget.limit == 1 << 30
+    assert store.snapshot_stats()["write_backlog_limit_bytes"] == 8 << 20
+    assert store.snapshot_stats()["write_backlog_rank_limit_bytes"] == 1 << 30
+    big, _, _ = make_store(ssd_dir + "-big", **{**HOLD, "ssd.file_bytes": 2 << 30, "ssd.max_files": 8,
+                                                  "ssd.preallocate": False})
+    assert big.queue.backlog_limit == 1 << 30  # a 16 GiB pool: the configured 1 GiB
+    big.close()
     store.queue.reads_begin()
     assert put_pages(store, pool, lay, keys_of("d"), [0, 1]) == [True, True]
     assert store.medium_of("d0") == "queued" and not store.flush_writes(0)
@@ -167,7 +172,7 @@ def test_a_full_backlog_places_on_dram_then_drops_one_shot_rounds_whole_then_fai
                                               "dram.capacity_bytes": 2 * 1536, "dram.high_watermark": 1.0,
                                               "placement.l_agent_tokens": 64})
     q = store.queue
-    q.urgent_bytes = float("inf")  # one round over the whole bound would make writes urgent at once
+    q.urgent_bytes = q.urgent_fraction = float("inf")  # one round over the bound would make writes urgent at once
     q.reads_begin()
     assert put_pages(store, pool, lay, keys_of("a"), [0, 1]) == [True, True]  # queued (takes the queue)
     assert store.medium_of("a0") == "queued"
@@ -307,7 +312,8 @@ def test_store_stats_report_dwpd_for_the_configured_capacity(ssd_dir):
     cap = 4 * (8 << 20)
     assert snap["ssd_write_bytes"] > 0 and snap["ssd_write_bytes_per_hour"] > 0
     assert snap["ssd_dwpd"] == pytest.approx(snap["ssd_write_bytes_per_hour"] * 24 / cap)
-    assert snap["write_backlog_limit_bytes"] == 64 << 20
+    assert snap["write_backlog_limit_bytes"] == 8 << 20  # a quarter of the 32 MiB pool (64 MiB configured)
+    assert snap["write_backlog_rank_limit_bytes"] == 64 << 20
     store.close()
 
 
@@ -473,7 +479,7 @@ def test_through_sglangs_factory_a_queued_page_is_a_hit_and_close_drains_it(make
     assert all(page_matches(pool, (10 + i) * pool.page_size, k) for i, k in enumerate(keys))
     st = be.flatcake_stats()
     assert (st["write_backlog_pages"], st["queued_hit_pages"], st["ssd_write_bytes"]) == (3, 3, 0)
-    assert "write queue <= 67108864 bytes" in be.store.describe()
+    assert "write queue <= 8388608 bytes" in be.store.describe()  # a quarter of the 32 MiB pool
     q.reads_end()
     assert q.flush(30) and be.store.medium_of("sg2") == "ssd"
     assert len(rounds_in_journal(be.store)) == 1
@@ -535,3 +541,37 @@ def test_a_backlog_past_the_urgent_fraction_is_written_beside_reads_down_to_the_
     q.reads_end()
     assert store.flush_writes(30) and len(rounds_in_journal(store)) == 5
     store.close()
+
+
+# ---------------------------------------------------------------- one bound per rank (issue 24 item 3)
+def test_the_pools_of_a_rank_share_one_backlog_bound(ssd_dir):
+    from flatcake.write_queue import BacklogBudget
+
+    a, pool, lay = make_store(ssd_dir, **BACKLOG)
+    a.queue.reads_begin()
+    assert put_pages(a, pool, lay, keys_of("probe"), [0, 1]) == [True, True]
+    round_bytes = a.snapshot_stats()["write_backlog_bytes"]
+    a.queue.reads_end()
+    a.close()
+    budget = BacklogBudget(2 * round_bytes)  # the rank's bound: two rounds, for every pool together
+    cfg = {**BACKLOG, "ssd.write_backlog_wait_s": 0.0}
+    stores = [make_store(f"{ssd_dir}-{n}", **cfg) for n in ("kv", "indexer", "draft")]
+    from flatcake.store import PageStore
+
+    stores = [(PageStore(s.cfg, s.geometry, s.namespace, backlog_budget=budget), p, l) for (s, p, l) in
+              [(st.close() or st, p, l) for st, p, l in stores]]
+    for s, _, _ in stores:
+        s.queue.reads_begin()  # restores in flight everywhere: nothing drains
+    (kv, kp, kl), (ix, ip, il), (dr, dp, dl) = stores
+    assert put_pages(kv, kp, kl, keys_of("k"), [0, 1]) == [True, True]
+    assert put_pages(ix, ip, il, keys_of("i"), [0, 1]) == [True, True]
+    assert budget.used == 2 * round_bytes and not dr.queue.has_room(round_bytes)  # the third pool finds it full
+    assert put_pages(dr, dp, dl, keys_of("d"), [0, 1]) == [False, False]  # one-shot, DRAM off: not stored
+    assert [s.snapshot_stats()["write_backlog_bytes"] for s, _, _ in stores] == [round_bytes, round_bytes, 0]
+    assert dr.snapshot_stats()["write_backlog_rank_bytes"] == 2 * round_bytes
+    for s, _, _ in stores:
+        s.queue.reads_end()
+    assert kv.flush_writes(30) and ix.flush_writes(30) and budget.used == 0 and dr.queue.has_room(round_bytes)
+    assert put_pages(dr, dp, dl, keys_of("d"), [0, 1]) == [True, True]
+    for s, _, _ in stores:
+        s.close()

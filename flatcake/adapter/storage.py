@@ -45,6 +45,7 @@ from flatcake import native_loop
 from flatcake.media.pool_dir import check_pool_dir
 from flatcake.metrics import REFRESH_S, SGLANG_METHODS, make_exporter
 from flatcake.store import MediumSummary, PageStore
+from flatcake.write_queue import BacklogBudget
 
 log = logging.getLogger("flatcake")
 
@@ -127,6 +128,9 @@ class FlatCakeStorage(HybridPoolsMixin, HiCacheStorage):
         # cluster.advertise's port + this rank's offset (one data plane per rank)
         ranks = rank_values(storage_config, self.replica)
         self.cfg: FlatCakeConfig = expand_advertise(expand_ssd_paths(cfg, ranks), rank_port_offset(storage_config, ranks))
+        #: this rank's write-backlog bound, shared by the KV store and every v2 extra pool's store
+        self.backlog_budget = (BacklogBudget(self.cfg.ssd.write_backlog_bytes) if self.cfg.ssd.write_backlog_bytes > 0
+                               else None)
         # fail at construction, naming ssd.path, without creating it: a missing drive directory of
         # an existing pool is a drive that is not mounted (flatcake.media.ssd.SsdFilePool decides)
         check_pool_dir(self.cfg.ssd.path)
@@ -190,7 +194,8 @@ class FlatCakeStorage(HybridPoolsMixin, HiCacheStorage):
             # DP replicas and servers sharing ssd.path with this namespace get separate pools
             # (DP rank, then a free slot or ssd.pool_id); a follower finds its writer's
             self.store, self.identity = open_pool(
-                lambda instance: PageStore(self.cfg, layout.geometry, self.namespace, instance=instance, role=role),
+                lambda instance: PageStore(self.cfg, layout.geometry, self.namespace, instance=instance, role=role,
+                                           backlog_budget=self.backlog_budget),
                 self.cfg, self.namespace, base_identity(sc, self.cfg, self.replica), role)
             self.errors = self.store.errors
             self.cluster = start_member(self.cfg, self.store, self.namespace)

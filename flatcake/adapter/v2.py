@@ -226,10 +226,13 @@ class HybridPoolsMixin:
         ref = self.layout.geometry.page_bytes if self.store is not None else (self._v2_ref_bytes or g.page_bytes)
         cfg = pool_config(self.cfg, ref, capacity_weight(p.name, g.page_bytes))
         if instance is None:  # logical anchor, first pool: it takes this process's pool identity
-            p.store, self.identity = open_pool(lambda inst: PageStore(cfg, g, ns, instance=inst, role=role),
+            budget = getattr(self, "backlog_budget", None)  # the rank's one write-backlog bound
+            p.store, self.identity = open_pool(lambda inst: PageStore(cfg, g, ns, instance=inst, role=role,
+                                                                      backlog_budget=budget),
                                                cfg, ns, base_identity(sc, cfg, getattr(self, "replica", None)), role)
         else:
-            p.store = PageStore(cfg, g, ns, instance=instance, role=role)
+            p.store = PageStore(cfg, g, ns, instance=instance, role=role,
+                                backlog_budget=getattr(self, "backlog_budget", None))
         if self.logical_anchor:  # no KV store: the pools retire a session's pages together
             p.store.add_retire_listener(lambda keys, src=p.name: self._v2_retired.append((src, keys)))
         if g.page_bytes * 128 > cfg.ssd.file_bytes:

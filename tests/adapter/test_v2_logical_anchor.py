@@ -165,3 +165,26 @@ def test_flush_writes_drains_every_pools_write_queue_without_a_kv_store(make_bac
     assert be.flush_writes(30)
     st = be.extra_pool_stats()
     assert [(st[n]["write_backlog_pages"], st[n]["pages_indexed"]) for n in ("deepseek_v4_c4", "swa")] == [(0, 3), (0, 1)]
+
+
+def test_every_pool_of_the_rank_shares_one_write_backlog_bound(make_backend):
+    """Issue 24 item 3: the C4 and SWA pools' queues draw on one bound (ssd.write_backlog_bytes
+    per rank), not one each."""
+    dsv4_pool("page_first")
+    be, anchor, c4, swa = logical_backend(make_backend)
+    stores = [be.extra_pool(C4).store, be.extra_pool(SWA).store]
+    assert be.backlog_budget is not None and be.backlog_budget.limit == be.cfg.ssd.write_backlog_bytes
+    assert all(s.queue.budget is be.backlog_budget for s in stores)
+    for s in stores:
+        s.queue.defer_max_s = s.queue.urgent_bytes = float("inf")
+        s.queue.urgent_fraction = 1.0
+        s.queue.reads_begin()  # hold every writer
+    keys = [f"sb{i}" for i in range(3)]
+    assert put(be, C4, c4, keys, range(3)) == [True] * 3
+    assert put(be, SWA, swa, keys[2:], [0], prefix=keys[:2]) == [True]
+    held = [s.snapshot_stats()["write_backlog_bytes"] for s in stores]
+    assert all(held) and be.backlog_budget.used == sum(held)
+    assert all(s.snapshot_stats()["write_backlog_rank_bytes"] == sum(held) for s in stores)
+    for s in stores:
+        s.queue.reads_end()
+    assert be.flush_writes(30) and be.backlog_budget.used == 0
