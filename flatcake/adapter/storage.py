@@ -320,7 +320,7 @@ class FlatCakeStorage(HybridPoolsMixin, HiCacheStorage):
                 return [False] * len(keys)
             t0 = _now()
             out = read_run(self.store, self.cluster, keys, self.layout, ids)  # local and other nodes' runs
-            self._note_metric(self._prefetch_pgs, self._prefetch_bw, sum(out), t0)  # pages read
+            self._note_metric("prefetch", sum(out), t0)  # pages read
             return out
         except Exception as e:
             self.errors("batch_get_v1", e)
@@ -344,7 +344,7 @@ class FlatCakeStorage(HybridPoolsMixin, HiCacheStorage):
                 return [False] * len(keys)
             t0 = _now()
             out, written = self.store.put_counted(keys, self.layout, ids, _prefix(extra_info))
-            self._note_metric(self._backup_pgs, self._backup_bw, written, t0)  # pages written by this call
+            self._note_metric("backup", written, t0)  # pages written by this call
             return out
         except Exception as e:
             self.errors("batch_set_v1", e)
@@ -369,7 +369,7 @@ class FlatCakeStorage(HybridPoolsMixin, HiCacheStorage):
             lay = KvPageLayout.from_flat_pages(flat, self.mem_pool_host)
             t0 = _now()
             ok = read_run(self.store, self.cluster, keys, lay, list(range(n)))
-            self._note_metric(self._prefetch_pgs, self._prefetch_bw, sum(ok), t0)
+            self._note_metric("prefetch", sum(ok), t0)
             out: List[Optional[torch.Tensor]] = []
             for i, good in enumerate(ok):
                 if not good:
@@ -399,7 +399,7 @@ class FlatCakeStorage(HybridPoolsMixin, HiCacheStorage):
             lay = KvPageLayout.from_flat_pages(flat, self.mem_pool_host)
             t0 = _now()
             out, written = self.store.put_counted(keys, lay, list(range(len(keys))), None)
-            self._note_metric(self._backup_pgs, self._backup_bw, written, t0)
+            self._note_metric("backup", written, t0)
             return all(out)
         except Exception as e:
             self.errors("batch_set", e)
@@ -475,16 +475,18 @@ class FlatCakeStorage(HybridPoolsMixin, HiCacheStorage):
     def _metrics_on(self) -> bool:
         return bool(self.storage_config and self.storage_config.enable_storage_metrics)
 
-    def _note_metric(self, pgs: list, bws: list, pages: int, t0: float) -> None:
+    def _note_metric(self, kind: str, pages: int, t0: float) -> None:
         """Record one call for SGLang's storage histograms: ``pages`` moved (pages) and
         ``pages * page_bytes / seconds / 2**30`` (SGLang's "GB/s", as its Mooncake backend
-        computes it). A call that moved no page records nothing."""
+        computes it), into the ``kind`` (``"prefetch"`` / ``"backup"``) lists. A call that moved no
+        page records nothing. The lists are looked up under the lock :meth:`get_stats` swaps them
+        under, so a count never lands in a list already handed to SGLang (issue 24 item 9)."""
         if not self._metrics_on() or not pages:
             return
         dt = max(_now() - t0, 1e-9)
         with self._metrics_lock:
-            pgs.append(pages)
-            bws.append(pages * self.layout.geometry.page_bytes / dt / GB)
+            getattr(self, f"_{kind}_pgs").append(pages)
+            getattr(self, f"_{kind}_bw").append(pages * self.layout.geometry.page_bytes / dt / GB)
 
     def get_stats(self):
         """SGLang storage metrics since the last call (SGLang drains it once per scheduler step

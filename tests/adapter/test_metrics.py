@@ -348,3 +348,29 @@ def test_the_fc_mas_plugin_lanes_reach_flatcake_stats_and_metrics(metered):
     assert _sample(be, "flatcake_mas_prefetches_total", lane="dram") == 1
     assert _sample(be, "flatcake_mas_prefetches_total", lane="ssd") == 1
     assert _sample(be, "flatcake_mas_overtakes_total") == st["overtakes"]
+
+
+def test_a_drain_between_a_call_and_its_count_loses_no_page(metered, monkeypatch):
+    """Issue 24 item 9: SGLang's collector drains get_stats() while a backup thread is between
+    reading the clock and appending its count; the count lands in the next drain, exactly once."""
+    be, pool = metered()
+    drained = []
+    real = storage._now
+    armed = {"on": False}
+
+    def now():  # the drain runs at the instant the call ends (before its count is appended)
+        t = real()
+        if armed["on"]:
+            armed["on"] = False
+            drained.append(be.get_stats())
+        return t
+
+    monkeypatch.setattr(storage, "_now", now)
+    be.get_stats()
+    armed["on"] = True
+    keys = [f"race{i}" for i in range(5)]
+    assert write_pages(be, pool, keys, range(5)) == [True] * 5
+    assert len(drained) == 1 and drained[0].backup_pgs == []  # the drain came first
+    after = be.get_stats()
+    assert after.backup_pgs == [5] and len(after.backup_bandwidth) == 1
+    assert be.get_stats().backup_pgs == []  # counted once
