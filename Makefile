@@ -12,7 +12,7 @@ TORCH_PIP_ARGS ?=
 STAMP := $(VENV)/.flatcake-installed
 SOAK_SECONDS ?= 30
 
-.PHONY: venv fio demo test e2e soak bench bench-sweep bench-write bench-gil results results-quick clean
+.PHONY: venv fio demo test e2e soak bench bench-sweep bench-write bench-gil results results-quick serve-bench serve-bench-quick clean
 
 venv: $(STAMP)
 
@@ -58,6 +58,13 @@ results: venv fio
 
 results-quick: venv fio
 	$(VPY) scripts/results.py --quick
+
+# the real SGLang server as the judge (docs/serve-bench.md): one CPU server per L3 system
+serve-bench-quick: venv
+	$(VPY) scripts/serve_bench.py --quick --json runs/serve-bench-quick/summary.json
+
+serve-bench: venv
+	$(VPY) scripts/serve_bench.py --json runs/serve-bench/summary.json
 
 soak: venv
 	$(VPY) scripts/soak.py --seconds $(SOAK_SECONDS) --restarts 2 --json runs/soak/soak.json
