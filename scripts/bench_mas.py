@@ -8,7 +8,7 @@ The three schedulers:
 * ``fcfs``   — SGLang 0.5.23's prefetch I/O: one thread, strictly in submission order;
 * ``fifo-N`` — the control: ``N`` = FC-MAS's thread count (its DRAM lane + ``--ssd-restores``
   SSD-lane threads; ``fifo-2`` by default), taking operations in submission order, up to ``N``
-  at once (:class:`FifoThreads`). It separates what the lanes and HRRN order do from what the
+  at once (:class:`flatcake.mas.lanes.FifoLanes` with N workers). It separates what the lanes and HRRN order do from what the
   extra thread does: a DRAM-ready prefetch can run beside one restore here too, but not beside
   ``N`` of them;
 * ``mas``    — FC-MAS: a DRAM lane and ``--ssd-restores`` SSD restores picked by HRRN.
@@ -47,14 +47,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import queue
 import random
 import statistics
 import sys
-import threading
-import time
 from pathlib import Path
-from typing import Callable, Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -63,48 +59,13 @@ from bench_common import add_common_args, temp_system, write_json  # noqa: E402
 from flatcake.config import read_yaml  # noqa: E402
 from flatcake.replay.engine import Engine, EngineConfig, ModelProfile  # noqa: E402
 from flatcake.replay.keys import PageKeyer  # noqa: E402
-from flatcake.mas.lanes import LaneOp, Lanes  # noqa: E402
-from flatcake.replay.arrivals import turns_before_previous_answer  # noqa: E402
-from flatcake.replay.serving import ServingConfig, ServingModel, serve, serving_summary  # noqa: E402
+from flatcake.replay.serving import ServingConfig, serve  # noqa: E402
 from flatcake.replay.traces import load_trace  # noqa: E402
 
 TRACES = ROOT.parent / "shared" / "traces"
 WEKA = TRACES / "weka_kv_cache_tester" / "kv_cache_tester_traces_710.tar.xz"
 MOONCAKE = TRACES / "mooncake" / "conversation_trace.jsonl"
 NEW_TURN_TOKENS = 1024  # tokens an agent's measured turn adds to its context
-
-
-class FifoThreads(Lanes):
-    """FIFO prefetch I/O on ``workers`` threads: operations start in submission order, up to
-    ``workers`` at once; each is announced when its own reads end (the ``fifo-N`` control).
-    ``lane`` is ``"fifo"``, as for SGLang's one thread, so the serving summary counts the same.
-    """
-
-    def __init__(self, workers: int, pending_reads: Optional[Callable[[int], None]] = None):
-        super().__init__(pending_reads)
-        self.name = f"fifo-{workers}"
-        self._q: "queue.SimpleQueue[Optional[LaneOp]]" = queue.SimpleQueue()
-        self._threads = [threading.Thread(target=self._work, name=f"fc-lane-fifo{i}", daemon=True)
-                         for i in range(workers)]
-        for t in self._threads:
-            t.start()
-
-    def submit(self, op: LaneOp) -> None:
-        op.lane, op.submitted_s = "fifo", time.monotonic()
-        self._note_submit(op)
-        self._mark_pending(op, +1)
-        self._q.put(op)
-
-    def _work(self) -> None:
-        while (op := self._q.get()) is not None:
-            self._execute(op)
-            self._complete(op)
-
-    def close(self) -> None:
-        for _ in self._threads:
-            self._q.put(None)
-        for t in self._threads:
-            t.join()
 
 
 def mas_threads(ssd_restores: int) -> int:
@@ -115,23 +76,6 @@ def mas_threads(ssd_restores: int) -> int:
 def schedulers(ssd_restores: int) -> tuple:
     """``("fcfs", "fifo-N", "mas")`` with N = :func:`mas_threads`."""
     return ("fcfs", f"fifo-{mas_threads(ssd_restores)}", "mas")
-
-
-def serve_fifo_threads(system, profile, ecfg: EngineConfig, scfg: ServingConfig, workers: int, reqs, keys) -> dict:
-    """:func:`flatcake.replay.serving.serve` with :class:`FifoThreads` of ``workers`` threads in
-    place of the model's lanes (``ServingModel.lanes``; the serving model itself has no FIFO with
-    more than one thread), same summary fields."""
-    model = ServingModel(system, profile, ecfg, dataclasses.replace(scfg, scheduler="fcfs"))
-    pending = model.lanes.pending_reads
-    model.lanes.close()
-    model.lanes = FifoThreads(workers, pending)
-    t0 = time.monotonic()
-    lives = model.run(reqs, keys)
-    s = serving_summary(lives, profile.page_size, time.monotonic() - t0, model.backup_skipped_pages)
-    s["qps"] = scfg.qps
-    s["turns_before_previous_answer"] = turns_before_previous_answer(reqs, lives)
-    s["counters"] = system.counters()
-    return s
 
 
 def build_mix(args):
@@ -181,10 +125,7 @@ def one_run(args, profile, scheduler: str, warm, measured, base: Path) -> dict:
         native = (len(measured) - 1) / (measured[-1].arrival_s - measured[0].arrival_s)
         ecfg = EngineConfig(hbm_pages=args.hbm_pages, host_pool_pages=args.host_pool_pages)
         keys = [keyer.keys(r) for r in measured]
-        if scheduler.startswith("fifo-"):
-            scfg = ServingConfig(qps=native, scheduler="fcfs", ssd_restores=args.ssd_restores)
-            return serve_fifo_threads(system, profile, ecfg, scfg, int(scheduler[5:]), measured, keys)
-        scfg = ServingConfig(qps=native, scheduler=scheduler, ssd_restores=args.ssd_restores)
+        scfg = ServingConfig(qps=native, scheduler=scheduler, ssd_restores=args.ssd_restores)  # fifo-N: FifoLanes
         return serve(system, profile, ecfg, scfg, measured, keys)
 
 

@@ -166,15 +166,23 @@ class Lanes:
 
 
 class FifoLanes(Lanes):
-    """SGLang's prefetch-I/O thread: one worker, strict submission order (the FC-MAS ablation)."""
+    """SGLang's prefetch-I/O thread: strict submission order (the FC-MAS ablation). With
+    ``workers`` > 1 (the ``fifo-N`` control: FIFO with as many I/O threads as FC-MAS has),
+    operations start in submission order, up to ``workers`` at once, each announced when its own
+    reads end. ``lane`` is ``"fifo"`` either way.
+    """
 
-    name = "fcfs"
-
-    def __init__(self, pending_reads: Optional[Callable[[int], None]] = None):
+    def __init__(self, pending_reads: Optional[Callable[[int], None]] = None, workers: int = 1):
         super().__init__(pending_reads)
+        if workers < 1:
+            raise ValueError(f"workers must be >= 1 (got {workers})")
+        self.name = "fcfs" if workers == 1 else f"fifo-{workers}"
+        self.workers = workers  # I/O threads
         self._q: "queue.SimpleQueue[Optional[LaneOp]]" = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._work, name="fc-lane-fifo", daemon=True)
-        self._thread.start()
+        self._threads = [threading.Thread(target=self._work, name=f"fc-lane-fifo{i}", daemon=True)
+                         for i in range(workers)]
+        for t in self._threads:
+            t.start()
 
     def submit(self, op: LaneOp) -> None:
         op.lane, op.submitted_s = "fifo", time.monotonic()
@@ -183,16 +191,15 @@ class FifoLanes(Lanes):
         self._q.put(op)
 
     def _work(self) -> None:
-        while True:
-            op = self._q.get()
-            if op is None:
-                return
+        while (op := self._q.get()) is not None:
             self._execute(op)
             self._complete(op)
 
     def close(self) -> None:
-        self._q.put(None)
-        self._thread.join()
+        for _ in self._threads:
+            self._q.put(None)
+        for t in self._threads:
+            t.join()
 
 
 class MediumAwareLanes(Lanes):
@@ -284,17 +291,20 @@ class MediumAwareLanes(Lanes):
 
 
 def make_lanes(name: str, ssd_workers: int = 1, pending_reads: Optional[Callable[[int], None]] = None) -> Lanes:
-    """``"fcfs"`` -> :class:`FifoLanes`; ``"mas"`` -> :class:`MediumAwareLanes`; both given
-    ``pending_reads`` (see the module docstring).
+    """``"fcfs"`` -> :class:`FifoLanes` (one thread, SGLang's); ``"fifo-N"`` -> :class:`FifoLanes`
+    with N threads; ``"mas"`` -> :class:`MediumAwareLanes`; all given ``pending_reads`` (see the
+    module docstring).
 
     Raises:
-        ValueError: another name.
+        ValueError: another name, or N < 1.
     """
     if name == "fcfs":
         return FifoLanes(pending_reads)
+    if name.startswith("fifo-") and name[5:].isdigit():
+        return FifoLanes(pending_reads, workers=int(name[5:]))
     if name == "mas":
         return MediumAwareLanes(ssd_workers, pending_reads=pending_reads)
-    raise ValueError(f"scheduler must be 'fcfs' or 'mas', got {name!r}")
+    raise ValueError(f"scheduler must be 'fcfs', 'fifo-N' or 'mas', got {name!r}")
 
 
 __all__ = ["FifoLanes", "LaneOp", "Lanes", "MediumAwareLanes", "make_lanes"]

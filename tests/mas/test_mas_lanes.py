@@ -154,9 +154,13 @@ def test_a_finished_restore_is_announced_in_arrival_order_and_a_raising_op_still
 
 
 def test_make_lanes_names_the_field_on_a_bad_scheduler():
-    assert isinstance(make_lanes("fcfs"), FifoLanes)
-    with pytest.raises(ValueError, match="scheduler must be 'fcfs' or 'mas'"):
-        make_lanes("lifo")
+    one, three = make_lanes("fcfs"), make_lanes("fifo-3")
+    assert isinstance(one, FifoLanes) and one.name == "fcfs" and one.workers == 1
+    assert isinstance(three, FifoLanes) and three.name == "fifo-3" and three.workers == 3
+    one.close(), three.close()
+    for bad in ("lifo", "fifo-0", "fifo-x"):
+        with pytest.raises(ValueError, match="scheduler must be 'fcfs', 'fifo-N' or 'mas'|workers must be >= 1"):
+            make_lanes(bad)
 
 
 def test_a_refused_submit_leaves_nothing_half_queued_and_close_returns():

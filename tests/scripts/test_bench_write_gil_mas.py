@@ -25,7 +25,7 @@ bench_write = importlib.import_module("bench_write")
 bench_gil = importlib.import_module("bench_gil")
 bench_mas = importlib.import_module("bench_mas")
 
-from flatcake.mas.lanes import LaneOp  # noqa: E402
+from flatcake.mas.lanes import LaneOp, make_lanes  # noqa: E402
 
 WRITE_SYSTEMS = {"flatcake", "hicache_file", "sequential"}
 
@@ -205,7 +205,7 @@ def _op(i, run, ssd=1):
 
 def test_fifo_threads_start_in_submission_order_up_to_n_at_once():
     marks = []
-    lanes = bench_mas.FifoThreads(2, pending_reads=marks.append)
+    lanes = make_lanes("fifo-2", pending_reads=marks.append)  # bench_mas's fifo-N control
     started, release, both_running = [], threading.Event(), threading.Event()
     both = threading.Barrier(2, timeout=10)
 
