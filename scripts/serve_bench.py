@@ -31,7 +31,6 @@ import os
 import shutil
 import signal
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -500,30 +499,11 @@ def parse_args(argv):
 
 def in_namespace(argv: List[str]) -> int:
     """Run this script again inside a new network namespace with loopback only (the Mooncake
-    master and transfer engine listen on every address); the namespace and anything left in it
-    are removed afterwards, also on SIGTERM."""
-    name = f"fc-serve-bench-{os.getpid()}"
-    env = {**os.environ, NETNS_ENV: name, mc.NETNS_ENV: name}
-
-    def on_term(signum, frame):
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGTERM, on_term)
-    try:
-        with mc.network_namespace(name):
-            proc = subprocess.Popen(["ip", "netns", "exec", name, sys.executable, str(Path(__file__).resolve()), *argv],
-                                    env=env)
-            try:
-                return proc.wait()
-            except KeyboardInterrupt:
-                proc.send_signal(signal.SIGINT)
-                try:
-                    return proc.wait(timeout=60)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    return proc.wait()
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    master and transfer engine listen on every address): the replay's
+    :func:`flatcake.replay.mooncake.run_in_namespace`; the namespace and anything left in it are
+    removed afterwards, also on SIGTERM."""
+    return mc.run_in_namespace(argv, command=[sys.executable, str(Path(__file__).resolve())], prefix="fc-serve-bench",
+                               env_extra={NETNS_ENV: "1"}, stop_wait_s=60.0)
 
 
 def main(argv=None) -> int:
@@ -612,7 +592,8 @@ def main(argv=None) -> int:
         doc["figures"] = figures(doc, out)
     text = json.dumps(doc, indent=1)
     (out / "serve_bench.json").write_text(text)
-    if args.json:
+    if args.json:  # anywhere: its folder made (out/ holds the same JSON as serve_bench.json)
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(text)
     md = summary_md(doc)
     (out / "summary.md").write_text(md)

@@ -165,32 +165,37 @@ def network_namespace(name: str) -> Iterator[str]:
         _ip("netns", "delete", name)
 
 
-def run_in_namespace(argv: Sequence[str]) -> int:
-    """Run ``flatcake-replay argv`` again inside a new network namespace (loopback only) and
-    return its exit status; the namespace and anything left running in it are removed after.
+def run_in_namespace(argv: Sequence[str], command: Optional[Sequence[str]] = None, prefix: str = "fc-replay",
+                     env_extra: Optional[dict] = None, stop_wait_s: float = 30.0) -> int:
+    """Run ``command + argv`` (default: ``flatcake-replay``, i.e. ``python -m
+    flatcake.replay.cli``) again inside a new network namespace (loopback only) named
+    ``{prefix}-{pid}`` and return its exit status; the namespace and anything left running in it
+    are removed after, also on SIGTERM (an interrupt waits ``stop_wait_s`` for the child).
+    ``env_extra`` adds environment variables (the namespace's name is in ``NETNS_ENV``).
 
     Raises:
         RuntimeError: the namespace cannot be created.
     """
-    name = f"fc-replay-{os.getpid()}"
+    name = f"{prefix}-{os.getpid()}"
     root = str(Path(__file__).resolve().parents[2])
     env = {**os.environ, NETNS_ENV: name, "PYTHONPATH": os.pathsep.join(
-        p for p in (root, os.environ.get("PYTHONPATH", "")) if p)}
+        p for p in (root, os.environ.get("PYTHONPATH", "")) if p), **(env_extra or {})}
     env.setdefault("MC_LOG_LEVEL", "ERROR")  # Mooncake logs every call at INFO and each failed put
+    command = list(command) if command is not None else [sys.executable, "-m", "flatcake.replay.cli"]
+
     def on_term(signum, frame):  # a SIGTERM still removes the namespace and what runs in it
         raise KeyboardInterrupt
 
     previous = signal.signal(signal.SIGTERM, on_term) if threading.current_thread() is threading.main_thread() else None
     try:
         with network_namespace(name):
-            proc = subprocess.Popen(["ip", "netns", "exec", name, sys.executable, "-m", "flatcake.replay.cli", *argv],
-                                    env=env)
+            proc = subprocess.Popen(["ip", "netns", "exec", name, *command, *argv], env=env)
             try:
                 return proc.wait()
             except KeyboardInterrupt:
                 proc.send_signal(signal.SIGINT)
                 try:
-                    return proc.wait(timeout=30)
+                    return proc.wait(timeout=stop_wait_s)
                 except subprocess.TimeoutExpired:
                     proc.kill()
                     return proc.wait()
