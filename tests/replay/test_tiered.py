@@ -5,45 +5,19 @@ SSD buckets in eviction order, buckets are reclaimed FIFO, SSD hits are staged w
 import os
 
 import pytest
-from flatcake_testkit import fill_page, page_matches, slots_of
 
-from flatcake.replay.tiered import TieredSystem
+from replay_fixtures import TIERED_PAGE_BYTES as PAGE_BYTES, tiered_read, tiered_systems, tiered_write
 from replay_fixtures import tiny_profile  # noqa: F401  (pytest fixture)
 
-PAGE_BYTES = 16384  # tiny profile
 
 
 @pytest.fixture
 def tiered(tmp_path, tiny_profile):
-    made = []
-
-    def _make(dram_pages=4, ssd_pages=64, **extra):
-        pool = tiny_profile.make_host_pool(256)
-        t = TieredSystem(tiny_profile, pool, tmp_path / f"t{len(made)}", dram_pages * PAGE_BYTES,
-                         ssd_pages * PAGE_BYTES, {"bucket_bytes": 8 * PAGE_BYTES, **extra})
-        made.append(t)
-        return t, pool
-
-    yield _make
-    for t in made:
-        t.close()
+    with tiered_systems(tmp_path, tiny_profile, dram_pages=4, ssd_pages=64, bucket_pages=8) as make:
+        yield make
 
 
-def write(t, pool, keys, first_slot_page=0):
-    P = pool.page_size
-    pages = range(first_slot_page, first_slot_page + len(keys))
-    for k, p in zip(keys, pages):
-        fill_page(pool, p * P, k)
-    assert t.set(list(keys), slots_of(pool, pages), [])
-
-
-def read(t, pool, keys, first_page=128):
-    pages = range(first_page, first_page + len(keys))
-    for p in pages:
-        fill_page(pool, p * pool.page_size, "junk")
-    got = t.get(list(keys), slots_of(pool, pages), [])
-    ok = [page_matches(pool, p * pool.page_size, k) for k, p in zip(keys, pages)]
-    return got, ok
+write, read = tiered_write, tiered_read
 
 
 def test_evicted_pages_are_demoted_in_eviction_order_and_read_back_bit_exact(tiered):
@@ -88,7 +62,7 @@ def test_an_ssd_hit_is_promoted_back_into_dram(tiered):
 def test_buckets_are_reclaimed_fifo_across_sessions(tiered):
     t, pool = tiered(dram_pages=2, ssd_pages=32)  # 4 buckets of 8 pages
     for s in range(6):  # 6 sessions x 8 pages: 46 demoted, more than the 32 the SSD holds
-        write(t, pool, [f"s{s}-{i}" for i in range(8)], first_slot_page=8 * s)
+        write(t, pool, [f"s{s}-{i}" for i in range(8)], first_page=8 * s)
         assert t.drain()
     assert t.exists([f"s0-{i}" for i in range(8)], []) == 0  # the oldest bucket went whole
     assert t.exists([f"s5-{i}" for i in range(8)], []) == 8
@@ -126,7 +100,7 @@ def bucket_fds(root):
 def test_bucket_files_stay_open_only_while_filled_or_read_and_close_with_their_bucket(tiered):
     t, pool = tiered(dram_pages=2, ssd_pages=32)  # 4 buckets of 8 pages
     for s in range(6):  # 46 pages demoted: 5 full buckets, the 6th holds 6
-        write(t, pool, [f"s{s}-{i}" for i in range(8)], first_slot_page=8 * s)
+        write(t, pool, [f"s{s}-{i}" for i in range(8)], first_page=8 * s)
         assert t.drain()
     assert bucket_fds(t.root) == [str(t.root / "00000005.bucket")]  # the bucket being filled
     s4 = [f"s4-{i}" for i in range(8)]  # pages 32..39 of the demotion order: bucket 4
@@ -137,7 +111,7 @@ def test_bucket_files_stay_open_only_while_filled_or_read_and_close_with_their_b
     assert got == (8, 0, 8) and all(ok) and t.counters()["ssd_read_ops"] == 16
     assert bucket_fds(t.root) == [str(t.root / "00000004.bucket")]
     for s in range(6, 9):  # 3 more buckets: 2, 3 and 4 are reclaimed
-        write(t, pool, [f"s{s}-{i}" for i in range(8)], first_slot_page=8 * (s - 6))
+        write(t, pool, [f"s{s}-{i}" for i in range(8)], first_page=8 * (s - 6))
         assert t.drain()
     assert t.exists(s4, []) == 0 and str(t.root / "00000004.bucket") not in bucket_fds(t.root)
     assert all("(deleted)" not in f for f in bucket_fds(t.root)) and len(bucket_fds(t.root)) <= 1

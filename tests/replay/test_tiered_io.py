@@ -9,46 +9,21 @@ import threading
 import time
 
 import pytest
-from flatcake_testkit import fill_page, page_matches, slots_of
 
 from flatcake.replay import tiered as tiered_mod
 from flatcake.replay.tiered import DEFAULT_IO_DEPTH, TieredSystem, check_extra
+from replay_fixtures import TIERED_PAGE_BYTES as PAGE_BYTES, tiered_read, tiered_systems, tiered_write
 from replay_fixtures import tiny_profile  # noqa: F401  (pytest fixture)
 
-PAGE_BYTES = 16384  # tiny profile: one page = one 4 KiB-aligned record
 
 
 @pytest.fixture
 def tiered(tmp_path, tiny_profile):
-    made = []
-
-    def _make(dram_pages=2, ssd_pages=256, bucket_pages=64, **extra):
-        pool = tiny_profile.make_host_pool(256)
-        t = TieredSystem(tiny_profile, pool, tmp_path / f"t{len(made)}", dram_pages * PAGE_BYTES,
-                         ssd_pages * PAGE_BYTES, {"bucket_bytes": bucket_pages * PAGE_BYTES, **extra})
-        made.append(t)
-        return t, pool
-
-    yield _make
-    for t in made:
-        t.close()
+    with tiered_systems(tmp_path, tiny_profile, dram_pages=2, ssd_pages=256, bucket_pages=64) as make:
+        yield make
 
 
-def write(t, pool, keys, first_page=0):
-    P = pool.page_size
-    pages = range(first_page, first_page + len(keys))
-    for k, p in zip(keys, pages):
-        fill_page(pool, p * P, k)
-    assert t.set(list(keys), slots_of(pool, pages), [])
-
-
-def read(t, pool, keys, first_page=128):
-    pages = range(first_page, first_page + len(keys))
-    for p in pages:
-        fill_page(pool, p * pool.page_size, "junk")
-    got = t.get(list(keys), slots_of(pool, pages), [])
-    ok = [page_matches(pool, p * pool.page_size, k) for k, p in zip(keys, pages)]
-    return got, ok
+write, read = tiered_write, tiered_read
 
 
 class Gate:
