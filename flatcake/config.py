@@ -306,7 +306,7 @@ class CioConfig(_Section):
     windows: int = Field(1, ge=1, le=64, description="double-buffered staging windows (concurrent restores)")
     scatter: Literal["auto", "triton", "torch"] = "auto"
     verify_checksums: bool = Field(True, description="check each chunk's xxh3 in staging before scatter")
-    thread_policy: Literal["idle", "normal"] = Field("idle", description="C restore threads: SCHED_IDLE or SCHED_OTHER")
+    thread_policy: Literal["idle", "normal"] = Field("normal", description="C restore threads: SCHED_OTHER or SCHED_IDLE")
 
     @field_validator("max_io_bytes", "staging_bytes")
     @classmethod
