@@ -28,6 +28,17 @@ def allow_small_files(monkeypatch):
     monkeypatch.setattr("flatcake.adapter.storage.check_file_bytes", lambda cfg, geometry: None)
 
 
+@pytest.fixture(autouse=True)
+def _short_follower_wait(monkeypatch):
+    """An MLA follower rank whose writer never comes waits 1 s here, not the 300 s a real server's
+    start-up is given (``identity.FOLLOWER_WAIT_S``): unit tests build lone follower ranks on
+    purpose. The full wait and its log lines are tested with a fake clock in
+    tests/adapter/test_identity.py."""
+    from flatcake.adapter import identity
+
+    monkeypatch.setattr(identity, "FOLLOWER_WAIT_S", 1.0)
+
+
 @pytest.fixture
 def make_backend(ssd_dir):
     """Factory: ``make_backend(mla=..., layout=..., dtype=..., extra={...})`` -> (backend, pool),
