@@ -36,7 +36,11 @@ def test_bench_cluster_writes_the_issue_json_and_leaves_nothing(tmp_path, monkey
     assert rc == 0
     got = json.loads(out.read_text())
     assert sorted(got) == sorted(["te_raw_gbps", "remote_dram_gbps", "remote_ssd_gbps", "ratio_remote_dram_to_raw",
-                                  "ratio_remote_ssd_to_raw", "propagation_ms"])
+                                  "ratio_remote_ssd_to_raw", "propagation_ms", "fio_read", "ratio_remote_ssd_to_fio"])
+    assert sorted(got["fio_read"]) == ["after", "before"]  # fio's read on the owner's file system around the reads
+    fio = [f["best_gb_per_s"] for f in got["fio_read"].values() if "best_gb_per_s" in f]
+    if fio:  # fio installed (make fio): the ratio is the remote SSD read over fio's
+        assert got["ratio_remote_ssd_to_fio"] > 0
     assert sorted(got["propagation_ms"]) == ["p50", "p99"]
     assert got["te_raw_gbps"] > 0 and got["remote_dram_gbps"] > 0 and got["remote_ssd_gbps"] > 0
     assert got["ratio_remote_dram_to_raw"] == pytest.approx(got["remote_dram_gbps"] / got["te_raw_gbps"], rel=0.05)
