@@ -12,7 +12,7 @@ TORCH_PIP_ARGS ?=
 STAMP := $(VENV)/.flatcake-installed
 SOAK_SECONDS ?= 30
 
-.PHONY: venv fio demo test e2e soak bench bench-sweep bench-write bench-gil results results-quick serve-bench serve-bench-quick clean
+.PHONY: venv fio demo test e2e soak bench bench-sweep bench-write bench-gil results results-quick serve-bench serve-bench-quick measure clean
 
 venv: $(STAMP)
 
@@ -65,6 +65,10 @@ serve-bench-quick: venv
 
 serve-bench: venv
 	$(VPY) scripts/serve_bench.py --json runs/serve-bench/summary.json
+
+# the full re-measurement, every bench and the replay, run counts decided in the script (~2.6 h, a quiet machine)
+measure: venv fio
+	scripts/measure_all.sh
 
 soak: venv
 	$(VPY) scripts/soak.py --seconds $(SOAK_SECONDS) --restarts 2 --json runs/soak/soak.json
