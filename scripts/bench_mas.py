@@ -19,9 +19,16 @@ The mix, built from the shipped real traces:
   first ``--agent-context`` tokens is replayed in the warm-up, so that context is written; the
   measured request is turn 2 cut to the same context plus 1,024 new tokens (agent scope: SSD, ``placement.l_agent_tokens`` is
   set to 4096 here);
-* short requests — the Mooncake conversation trace's first ``--short`` requests cut to their
-  first ``--short-blocks`` 512-token blocks plus a partial tail; every one starts with the shared
-  block 0, which the warm-up writes as a shared prompt (two hit queries first: DRAM).
+* short requests — from the Mooncake conversation trace: its first ``--short-pool`` requests
+  grouped by their first ``--short-blocks`` 512-token blocks (a conversation's earlier turns, or
+  one shared prompt: the trace's own reuse); the groups that more than one request starts with
+  are shared prompts, each written once in the warm-up (two hit queries first: DRAM), and the
+  measured short requests are the first ``--short`` requests of those groups, in trace order, cut
+  to the group's blocks plus a 64-token tail. Many distinct shared prompts (hundreds of pages,
+  more than the HBM prefix cache holds, less than DRAM) — so with the HBM prefix cache on, a
+  short request's prefix is often evicted from HBM and restored from DRAM, as in a server whose
+  tenants' prompts outnumber what HBM keeps. DRAM is sized to hold them all (``--dram-mib``,
+  default: their bytes + 25%, at least 256 MiB).
 
 Warm-up runs one request at a time (:class:`flatcake.replay.engine.Engine`); the measured phase
 runs the concurrent serving model (:mod:`flatcake.replay.serving`): short requests arrive as a
@@ -79,7 +86,8 @@ def schedulers(ssd_restores: int) -> tuple:
 
 
 def build_mix(args):
-    """``(warmup, measured)`` lists of TraceRequest; measured ones carry their arrival times."""
+    """``(agents_warm, prompts, measured)`` lists of TraceRequest: the agents' turn-1 contexts and
+    the shared prompts the warm-up writes, and the measured requests with their arrival times."""
     conv = load_trace(args.weka, sessions=args.agents)
     by_ns: dict[str, list] = {}
     for r in conv:
@@ -94,11 +102,19 @@ def build_mix(args):
         mb = nb + NEW_TURN_TOKENS // b.block_tokens
         agents.append(dataclasses.replace(b, block_ids=b.block_ids[:mb], prompt_tokens=mb * b.block_tokens,
                                           output_tokens=min(b.output_tokens, 64)))
-    shorts = []
-    for r in load_trace(args.mooncake, max_requests=args.short):
-        b = min(args.short_blocks, len(r.block_ids))
-        shorts.append(dataclasses.replace(r, block_ids=r.block_ids[:b], prompt_tokens=b * r.block_tokens + 64,
+    groups: dict[tuple, list] = {}
+    for r in load_trace(args.mooncake, max_requests=args.short_pool):
+        if len(r.block_ids) >= args.short_blocks:
+            groups.setdefault(tuple(r.block_ids[:args.short_blocks]), []).append(r)
+    reused = [g for g, rs in groups.items() if len(rs) > 1]
+    order = sorted((r.arrival_s, i, g) for g in reused for i, r in enumerate(groups[g]))
+    shorts, used = [], {}
+    for _, i, g in order[: args.short]:
+        r = groups[g][i]
+        shorts.append(dataclasses.replace(r, block_ids=g, prompt_tokens=len(g) * r.block_tokens + 64,
                                           output_tokens=min(r.output_tokens, 64)))
+        used.setdefault(g, shorts[-1])
+    prompts = [dataclasses.replace(r, prompt_tokens=len(r.block_ids) * r.block_tokens) for r in used.values()]
     rng = random.Random(args.seed)
     t, times = 0.0, []
     for _ in shorts:
@@ -109,18 +125,29 @@ def build_mix(args):
     measured += [dataclasses.replace(r, arrival_s=(i + 0.5) * window / max(1, len(agents)))
                  for i, r in enumerate(agents)]
     measured.sort(key=lambda r: r.arrival_s)
-    return agents_warm + shorts[:2], measured
+    return agents_warm, prompts, measured
 
 
-def one_run(args, profile, scheduler: str, warm, measured, base: Path) -> dict:
+def dram_bytes(args, profile, prompts) -> int:
+    """DRAM capacity of the run, bytes: ``--dram-mib``, or the shared prompts' bytes + 25% (at
+    least 256 MiB), so every shared prompt stays on DRAM."""
+    if args.dram_mib:
+        return args.dram_mib << 20
+    need = sum(r.prompt_tokens for r in prompts) * profile.bytes_per_token
+    return max(256 << 20, int(need * 1.25))
+
+
+def one_run(args, profile, scheduler: str, mix, base: Path) -> dict:
+    agents_warm, prompts, measured = mix
     keyer = PageKeyer(profile.page_size)
-    fc = {"dram.capacity_bytes": 256 << 20, "ssd.file_bytes": 256 << 20, "ssd.max_files": args.max_files,
-          "placement.l_agent_tokens": 4096, "cio.windows": args.ssd_restores}
+    fc = {"dram.capacity_bytes": dram_bytes(args, profile, prompts), "ssd.file_bytes": 256 << 20,
+          "ssd.max_files": args.max_files, "placement.l_agent_tokens": 4096, "cio.windows": args.ssd_restores}
     with temp_system("flatcake", profile, args.host_pool_pages, base, fc, f"mas-{scheduler}-") as system:
         warm_engine = Engine(system, profile, EngineConfig(hbm_pages=0, host_pool_pages=args.host_pool_pages))
-        for r in warm[-2:]:  # the two short requests ask before either is written: a shared prompt
+        for r in prompts:  # two requests ask for each shared prompt before it is written: DRAM
             system.exists(keyer.keys(r), [])
-        for r in warm:
+            system.exists(keyer.keys(r), [])
+        for r in agents_warm + prompts:
             warm_engine.run(keyer.keys(r), r.prompt_tokens)
         native = (len(measured) - 1) / (measured[-1].arrival_s - measured[0].arrival_s)
         ecfg = EngineConfig(hbm_pages=args.hbm_pages, host_pool_pages=args.host_pool_pages)
@@ -136,7 +163,12 @@ def main(argv=None) -> int:
     ap.add_argument("--agents", type=int, default=16, help="WEKA conversations (default 16)")
     ap.add_argument("--agent-context", type=int, default=8192, help="agent context tokens written in the warm-up (default 8192)")
     ap.add_argument("--short", type=int, default=200, help="short requests (default 200)")
-    ap.add_argument("--short-blocks", type=int, default=2, help="512-token blocks per short prompt (default 2)")
+    ap.add_argument("--short-pool", type=int, default=3000,
+                    help="Mooncake trace requests the shared prompts are drawn from (default 3000)")
+    ap.add_argument("--short-blocks", type=int, default=2,
+                    help="512-token blocks of a shared prompt, the blocks its requests start with (default 2)")
+    ap.add_argument("--dram-mib", type=int, default=0,
+                    help="DRAM capacity, MiB (default 0: the shared prompts' bytes + 25%%, at least 256)")
     ap.add_argument("--qps", type=float, default=40.0, help="short-request arrival rate (default 40/s)")
     ap.add_argument("--ssd-restores", type=int, default=1, help="concurrent SSD restores, cio.windows (default 1)")
     ap.add_argument("--max-files", type=int, default=16, help="256 MiB pool files (default 16: 4 GiB, so nothing is evicted)")
@@ -144,18 +176,21 @@ def main(argv=None) -> int:
                     help="HBM prefix cache of the measured phase, pages (default 512 = 32 Ki tokens; 0: off)")
     add_common_args(ap, ROOT, 5, "scheduler")
     args = ap.parse_args(argv)
-    if args.hbm_pages < 0 or args.ssd_restores < 1 or args.repeats < 1:
-        ap.error("--hbm-pages must be >= 0, --ssd-restores and --repeats >= 1")
+    if args.hbm_pages < 0 or args.ssd_restores < 1 or args.repeats < 1 or args.short_blocks < 1 or args.dram_mib < 0:
+        ap.error("--hbm-pages and --dram-mib must be >= 0, --ssd-restores, --short-blocks and --repeats >= 1")
     profile = ModelProfile.from_dict(read_yaml(Path(args.profile))["model"])
-    warm, measured = build_mix(args)
+    mix = build_mix(args)
+    agents_warm, prompts, measured = mix
     names = schedulers(args.ssd_restores)
     threads = {names[0]: 1, names[1]: mas_threads(args.ssd_restores), names[2]: mas_threads(args.ssd_restores)}
     print(f"{args.repeats} runs of {', '.join(names)} (I/O threads {threads}); HBM prefix cache "
-          f"{args.hbm_pages} pages", flush=True)
+          f"{args.hbm_pages} pages; {len(prompts)} shared prompts "
+          f"({sum(r.prompt_tokens for r in prompts) // profile.page_size} pages), {len(measured)} measured "
+          f"requests; DRAM {dram_bytes(args, profile, prompts) >> 20} MiB", flush=True)
     runs = []
     for rep in range(args.repeats):
         for sched in names[rep % len(names):] + names[: rep % len(names)]:
-            s = one_run(args, profile, sched, warm, measured, Path(args.dir))
+            s = one_run(args, profile, sched, mix, Path(args.dir))
             runs.append({"scheduler": sched, "repeat": rep, **s})
             wait = s["dram_lane_wait_p99_s"]
             print(f"[{rep + 1}/{args.repeats}] {sched}: TTFT p99 {s['ttft_s']['p99']:.3f} s, mean "
@@ -189,6 +224,8 @@ def main(argv=None) -> int:
     out = {
         "mix": {"agents": sum(1 for r in measured if r.namespace.startswith("weka")),
                 "short": sum(1 for r in measured if not r.namespace.startswith("weka")), "qps_short": args.qps,
+                "shared_prompts": len(prompts), "shared_prompt_pages": sum(r.prompt_tokens // profile.page_size for r in prompts),
+                "dram_bytes": dram_bytes(args, profile, prompts),
                 "ssd_restores": args.ssd_restores, "hbm_pages": args.hbm_pages, "repeats": args.repeats,
                 "profile": profile.name},
         "io_threads": threads,

@@ -245,7 +245,15 @@ def test_mas_json_has_fifo_n_control_hbm_on_and_every_run(tmp_path):
     s = res["systems"]
     assert res["ttft_p99_ratio_vs_fifo_n"] == pytest.approx(s["mas"]["ttft_s"]["p99"] / s["fifo-2"]["ttft_s"]["p99"])
     assert sorted(r["scheduler"] for r in res["runs"]) == ["fcfs", "fifo-2", "mas"]
+    # the shared prompts are the trace's 2-block prefixes that more than one request starts with,
+    # written in the warm-up (DRAM). Every one starts with the trace's block 0; the first measured
+    # request restores both its blocks from DRAM (HBM is empty), each later one finds block 0 in
+    # HBM and restores its own second block from DRAM: at least 512 tokens per prompt + 512
+    mix = res["mix"]
+    assert 1 <= mix["shared_prompts"] <= 6 and mix["shared_prompt_pages"] == mix["shared_prompts"] * 2 * 512 // 64
+    assert mix["dram_bytes"] == 256 << 20  # a few prompts: the 256 MiB floor
     for name, sy in s.items():
         assert set(sy["hit_tokens"]) == {"hbm", "dram", "ssd"} and sy["verify_failures"] == 0, name
         assert sy["io_threads"] == res["io_threads"][name]
+        assert sy["hit_tokens"]["dram"] >= mix["shared_prompts"] * 512 + 512, name
     assert _left(tmp_path) == []
