@@ -89,6 +89,7 @@ class Backup:
         scope other than one-shot waits up to ``backlog_wait_s`` seconds for room in a full
         backlog (then the put fails). ``node``: the GVA node field of the entries."""
         self.queue, self.backlog_wait_s, self.node = queue, backlog_wait_s, node
+        self.scopes.queue = queue  # reclaim frees a scope pinned only by its waiting rounds
 
     def stored(self, key: str) -> bool:
         """True when ``key`` is published, or waits in the write queue (its bytes are kept)."""

@@ -47,6 +47,8 @@ class StoreStats:
             ``ssd.write_backlog_wait_s`` seconds.
         write_backlog_discarded_rounds: queued rounds never written (scope dropped or cleared,
             store closed before they were drained).
+        write_backlog_evicted_rounds: queued rounds never written because reclaim freed their
+            scope (pinned only by rounds waiting in the queue) to make room in a full pool.
     """
 
     hit_pages_dram: int = 0
@@ -81,6 +83,7 @@ class StoreStats:
     write_backlog_dropped_pages: int = 0
     write_backlog_full_failures: int = 0
     write_backlog_discarded_rounds: int = 0
+    write_backlog_evicted_rounds: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def add(self, **deltas: float) -> None:

@@ -31,7 +31,9 @@ written) goes into :attr:`WriteQueue.deferral_s` (p50/p99/max in the stats).
 The SSD index entry of a page is published only after its round is on disk (publish after
 write); before that the page is served from :class:`QueuedPage` (GVA medium
 :data:`MEDIUM_QUEUED`, never stored in the index nor on disk). A queued round pins its scope,
-so reclaim skips the scope; a scope dropped or cleared while its round waits is not written
+so the watermark reclaim skips the scope; a round that finds the pool full may evict a scope
+pinned only by rounds waiting here (:meth:`WriteQueue.evict_scope`: they leave the queue
+unwritten; issue 24 item 3). A scope dropped or cleared while its round waits is not written
 (its pages stop being served at once).
 """
 
@@ -198,6 +200,9 @@ class WriteQueue:
         self._complete, self._drop, self.stats, self.errors, self.node = complete, drop, stats, errors, node
         self._cond = threading.Condition()
         self._jobs: collections.deque[QueuedRound] = collections.deque()
+        #: scope -> its rounds waiting in :attr:`_jobs` (each holds one pin on the scope)
+        self._waiting: collections.Counter = collections.Counter()
+        self.evicted_rounds = 0  # waiting rounds taken out by reclaim (:meth:`evict_scope`)
         self._pending: dict[str, tuple[QueuedRound, int]] = {}
         self._bytes = self._pages = self._readers = 0
         self._in_flight: Optional[QueuedRound] = None
@@ -367,6 +372,7 @@ class WriteQueue:
                 return False
             job.enqueued_s = time.monotonic()
             self._jobs.append(job)
+            self._waiting[job.plc.scope] += 1
             for i, k in enumerate(job.keys):
                 self._pending[k] = (job, i)
             self._bytes += job.nbytes
@@ -409,6 +415,7 @@ class WriteQueue:
         if self._stopped or not self._jobs:
             return None
         job = self._jobs.popleft()
+        self._unwait_locked(job)
         self._in_flight = job
         now = time.monotonic()
         self.deferral_s.append(now - job.enqueued_s)
@@ -449,6 +456,58 @@ class WriteQueue:
             self._publish_hold_locked()
             self._cond.notify_all()
 
+    def _unwait_locked(self, job: QueuedRound) -> None:
+        """``job`` left :attr:`_jobs` (taken by the writer, discarded or evicted)."""
+        scope = job.plc.scope
+        left = self._waiting[scope] - 1
+        if left > 0:
+            self._waiting[scope] = left
+        else:
+            del self._waiting[scope]
+
+    # ================================================================ reclaim (issue 24 item 3)
+    def waiting_pins(self, scope) -> int:
+        """Pins on ``scope`` held only by its rounds waiting in the queue (not the one being
+        written): ``scope.refcount`` equal to this means nothing else holds the scope — no
+        reader, no write in flight — and reclaim may free it with :meth:`evict_scope`.
+        Lock-free read (the writer lock, held by reclaim, keeps it from growing)."""
+        return self._waiting.get(scope, 0)
+
+    def evict_scope(self, scope, free: Callable[[list], bool]) -> list:
+        """Reclaim sees a queued round for what it is: not yet written, holding its scope's space
+        pinned. Free ``scope`` when the only pins on it are its rounds waiting here: under the
+        queue's lock (the writer cannot take them meanwhile) drop their pins and call
+        ``free(rounds)`` (:meth:`~flatcake.gva.scopes.ScopeTable.free_scope_locked`: retire,
+        unpublish, free the extents whole, tell the retire listeners the rounds' keys too; False
+        when a reader or a write pinned it since the check); then take the rounds out of the queue
+        unwritten. They were never journaled nor published on SSD, so their pages just stop being
+        hits. A reader copying from a round's buffer pins the scope first, so no scope is evicted
+        under a reader. When ``free`` fails the pins and the scope's recency are put back and
+        nothing changes. Caller holds the scope table's writer lock (nothing else retires a
+        scope meanwhile).
+
+        Returns:
+            The :class:`QueuedRound` s taken out of the queue (empty: the scope was not freed).
+        """
+        with self._cond:
+            n = self._waiting.get(scope, 0)
+            if not n or scope.retired or scope.refcount != n or self._stopped:
+                return []
+            jobs = [j for j in self._jobs if j.plc.scope is scope]
+            used = scope.last_used_s
+            scope.release(n)
+            if not free(jobs):  # a reader pinned it since the check
+                scope.try_acquire(n)  # (not retired: only the writer lock's holder retires)
+                scope.last_used_s = used
+                return []
+            self._jobs = collections.deque(j for j in self._jobs if j.plc.scope is not scope)
+            del self._waiting[scope]
+            for job in jobs:
+                self._finish(job)
+            self.evicted_rounds += len(jobs)
+        self.stats.add(write_backlog_evicted_rounds=len(jobs))
+        return jobs
+
     # ================================================================ admin
     def flush(self, timeout_s: float = 30.0) -> bool:
         """Wait until every queued round left the queue (writes still yield to reads).
@@ -469,6 +528,8 @@ class WriteQueue:
             dead = [j for j in self._jobs if not j.alive]
             if dead:
                 self._jobs = collections.deque(j for j in self._jobs if j.alive)
+                for job in dead:
+                    self._unwait_locked(job)
         for job in dead:
             self._drop_one(job)
         return len(dead)
@@ -493,6 +554,7 @@ class WriteQueue:
             self._stopped = True
             left = list(self._jobs)
             self._jobs.clear()
+            self._waiting.clear()
             self._free.clear()
             self._free_bytes = 0
             self._cond.notify_all()

@@ -82,6 +82,9 @@ class ScopeTable:
         self.retire_listeners = Listeners(errors, "retire listener")
         #: ``fn(placement, entries)`` for every round published (:meth:`commit_locked`), same lock
         self.publish_listeners = Listeners(errors, "publish listener")
+        #: the SSD write queue (:class:`~flatcake.write_queue.WriteQueue`) when rounds are
+        #: deferred: reclaim frees a scope pinned only by rounds waiting in it (:meth:`evictable`)
+        self.queue = None
 
     # ================================================================ hit queries and readers
     def note_hit_query(self, keys: Sequence[str], n: int, prefix_keys: Optional[Sequence[str]]) -> None:
@@ -253,12 +256,11 @@ class ScopeTable:
             return None
         if ext is None:  # admission before eviction: evict only if that makes the round fit
             freeable = [x for sc in self.index.scopes.values()
-                        if sc is not scope and sc.medium == MEDIUM_SSD and sc.refcount == 0 and not sc.retired
-                        for x in sc.extents]
+                        if sc is not scope and sc.medium == MEDIUM_SSD and self.evictable(sc) for x in sc.extents]
             if not self.ssd.fits_after_freeing_locked(need, freeable):
                 return None
         while ext is None:  # no free range fits (full or fragmented): free oldest scopes one by one
-            if not self.reclaim_one_locked(MEDIUM_SSD, exclude=scope):
+            if not self.reclaim_one_locked(MEDIUM_SSD, exclude=scope, queued=True):
                 return None
             ext = self.ssd.allocate_locked(need, after)
         scope.extents.append(ext)
@@ -365,21 +367,47 @@ class ScopeTable:
         while above() and self.reclaim_one_locked(medium, exclude):
             pass
 
-    def reclaim_one_locked(self, medium: int, exclude: Optional[SessionScope] = None) -> bool:
+    def evictable(self, scope: SessionScope) -> bool:
+        """True when a round that finds the pool full may evict ``scope``: not retired, and
+        pinned by nobody but its rounds waiting in the write queue (issue 24 item 3: a queued
+        round is not yet written, so it is no reason to keep the pool full; with the queue off
+        the same scope would be written and unpinned). A reader, or a round being written,
+        keeps it. Writer lock held."""
+        if scope.retired:
+            return False
+        refs = scope.refcount
+        return refs == 0 or (self.queue is not None and refs == self.queue.waiting_pins(scope))
+
+    def reclaim_one_locked(self, medium: int, exclude: Optional[SessionScope] = None, queued: bool = False) -> bool:
         """Retire, unpublish and free the least recently used scope of ``medium`` that nobody
         pins (a reader or writer inside it is never freed under it). False if none can go.
-        Writer lock held."""
+        Writer lock held.
+
+        With ``queued`` (a round that finds the pool full, :meth:`_ssd_space_locked`) a scope
+        pinned only by its rounds waiting in the write queue counts as unpinned (:meth:`evictable`):
+        those rounds leave the queue unwritten (:meth:`~flatcake.write_queue.WriteQueue.evict_scope`),
+        so scopes go in the same least-recently-used order as with the queue off. The watermark
+        reclaim (``queued`` False) leaves them alone: it makes headroom ahead of need, and a
+        round not yet written is the newest data the pool holds."""
+        q = self.queue if queued else None
         for scope in self.index.oldest_scopes_locked(medium):
-            if scope is not exclude and self.free_scope_locked(scope):
+            if scope is exclude:
+                continue
+            if self.free_scope_locked(scope):
+                return True
+            if q is not None and q.waiting_pins(scope) and q.evict_scope(
+                    scope, lambda jobs, s=scope: self.free_scope_locked(s, [k for j in jobs for k in j.keys])):
                 return True
         return False
 
-    def free_scope_locked(self, scope: SessionScope) -> bool:
+    def free_scope_locked(self, scope: SessionScope, queued_keys: Sequence[str] = ()) -> bool:
         """Retire ``scope`` if unpinned, then unpublish its keys and free its space (whole).
-        Writer lock held. Returns False (and changes nothing) when a reader or writer pins it."""
+        Writer lock held. Returns False (and changes nothing) when a reader or writer pins it.
+        ``queued_keys``: keys of its rounds leaving the write queue unwritten (an eviction,
+        :meth:`reclaim_one_locked`), told to the retire listeners with its published keys."""
         if not scope.try_retire():
             return False
-        keys = list(scope.keys) if self.retire_listeners else None
+        keys = list(scope.keys) + list(queued_keys) if self.retire_listeners else None
         self.index.unpublish_scope_locked(scope)
         if scope.medium == MEDIUM_SSD:
             if scope.rounds and not scope.keep_on_disk:
