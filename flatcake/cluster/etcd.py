@@ -18,6 +18,7 @@ from __future__ import annotations
 import base64
 import json
 import socket
+from dataclasses import dataclass
 from typing import Any, Iterator, Optional, Sequence
 from urllib.parse import urlsplit
 
@@ -49,6 +50,35 @@ class WatchCompacted(RuntimeError):
         self.compact_revision = compact_revision
 
 
+@dataclass(frozen=True)
+class StoreHeader:
+    """Who answered and how far its history goes: the ``header`` of every gateway response.
+
+    A healthy store only moves forward: ``revision`` and ``raft_term`` never decrease and
+    ``cluster_id`` never changes. A store restarted empty or restored from an older snapshot
+    breaks that (docs/cluster.md, "The metadata store lost state").
+
+    Attributes:
+        cluster_id: the etcd cluster's id (decimal text; new when the cluster is re-created
+            with another ``--initial-cluster`` or token).
+        member_id: the member that answered (decimal text; changes on failover between members).
+        revision: the store's revision when it answered.
+        raft_term: the raft term of the member that answered.
+    """
+
+    cluster_id: str
+    member_id: str
+    revision: int
+    raft_term: int
+
+    @classmethod
+    def of(cls, response: dict) -> "StoreHeader":
+        """The header of a gateway response (missing fields: '' and 0)."""
+        h = response.get("header", {})
+        return cls(str(h.get("cluster_id", "")), str(h.get("member_id", "")), int(h.get("revision", 0) or 0),
+                   int(h.get("raft_term", 0) or 0))
+
+
 def b64(s: str | bytes) -> str:
     """base64 text of a key or value (UTF-8 for ``str``)."""
     return base64.b64encode(s.encode() if isinstance(s, str) else s).decode()
@@ -77,6 +107,11 @@ def op_put(key: str, value: bytes, lease: int = 0) -> dict:
     if lease:
         req["lease"] = str(lease)
     return {"request_put": req}
+
+
+def op_delete(key: str) -> dict:
+    """A transaction ``request_delete_range`` of the one key ``key``."""
+    return {"request_delete_range": {"key": b64(key)}}
 
 
 def op_delete_prefix(prefix: str) -> dict:
@@ -182,40 +217,51 @@ class EtcdSession:
         """Delete every key starting with ``prefix``; returns how many."""
         return int(self.call("kv/deleterange", op_delete_prefix(prefix)["request_delete_range"]).get("deleted", 0))
 
-    def range_prefix(self, prefix: str, page_keys: int = 1000) -> tuple[int, list[tuple[str, bytes, dict]]]:
-        """Every key under ``prefix`` at one revision, read ``page_keys`` keys per request.
+    def range_prefix(self, prefix: str, page_keys: int = 1000) -> tuple[StoreHeader, list[tuple[str, bytes, dict]]]:
+        """Every key under ``prefix`` at one revision, read ``page_keys`` keys per request
+        (linearizable: the first request goes through the leader's read index).
 
         Returns:
-            ``(revision, [(key, value, kv), ...])`` in key order; ``revision`` is the store
-            revision the read saw (a watch from ``revision + 1`` misses nothing).
+            ``(header, [(key, value, kv), ...])`` in key order; ``header`` is the first
+            response's: ``header.revision`` is the store revision the read saw (a watch from
+            ``revision + 1`` misses nothing) and every page is read at it.
         """
         end = b64(prefix_end(prefix))
-        start, rev, out = b64(prefix), 0, []
+        start, header, out = b64(prefix), None, []
         while True:
             req = {"key": start, "range_end": end, "limit": page_keys}
-            if rev:
-                req["revision"] = rev
+            if header is not None:
+                req["revision"] = header.revision
             resp = self.call("kv/range", req)
-            rev = rev or int(resp["header"]["revision"])
+            header = header or StoreHeader.of(resp)
             page = kvs_of(resp)
             out.extend(page)
             if not resp.get("more") or not page:
-                return rev, out
+                return header, out
             start = b64(page[-1][0].encode() + b"\0")
+
+    def header(self) -> StoreHeader:
+        """The store's header now (one linearizable count-only read: its revision is at least
+        every revision committed before the call)."""
+        return StoreHeader.of(self.call("kv/range", {"key": b64("\0"), "count_only": True}))
 
     def revision(self) -> int:
         """The store's current revision."""
-        return int(self.call("kv/range", {"key": b64("\0"), "count_only": True})["header"]["revision"])
+        return self.header().revision
 
     def compact(self, revision: int) -> None:
         """Compact the history up to ``revision`` (older revisions can no longer be watched)."""
         self.call("kv/compaction", {"revision": str(revision), "physical": True})
 
     # watch ------------------------------------------------------------------------------------
-    def watch_prefix(self, prefix: str, start_revision: int, idle_s: float) -> Iterator[list[dict]]:
-        """Stream the events under ``prefix`` from ``start_revision`` on, one list per response
-        (all events of one revision come in one response). Each event is the gateway's dict
-        with ``type`` (``"DELETE"``; absent for a put) and ``kv`` (key, value still base64).
+    def watch_prefix(self, prefix: str, start_revision: int,
+                     idle_s: float) -> Iterator[tuple[StoreHeader, list[dict]]]:
+        """Stream the events under ``prefix`` from ``start_revision`` on: ``(header, events)``
+        per response, the first one (the watch created) with no events; all events of one
+        revision come in one response. Each event is the gateway's dict with ``type``
+        (``"DELETE"``; absent for a put) and ``kv`` (key, value still base64). ``header`` is the
+        answering member's (:class:`StoreHeader`): the caller checks it before applying events
+        (a store that went back in time or changed identity).
 
         Args:
             idle_s: a stream silent this many seconds is dropped (raises EtcdUnavailable; the
@@ -260,7 +306,7 @@ class EtcdSession:
             pass
 
     @staticmethod
-    def _watch_lines(resp) -> Iterator[list[dict]]:
+    def _watch_lines(resp) -> Iterator[tuple[StoreHeader, list[dict]]]:
         for line in resp.iter_lines():
             if not line.strip():
                 continue
@@ -272,5 +318,4 @@ class EtcdSession:
                 raise WatchCompacted(int(result["compact_revision"]))
             if result.get("canceled"):
                 raise EtcdUnavailable(f"watch canceled: {result.get('cancel_reason', '')}")
-            if result.get("events"):
-                yield result["events"]
+            yield StoreHeader.of(result), result.get("events", [])

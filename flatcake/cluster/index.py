@@ -7,6 +7,10 @@ Lifecycle of a round across nodes::
             transaction per batch, on A's lease (flatcake.cluster.publisher)
     node B: watch event  ->  RemotePage in B's view  ->  get(key) finds it (flatcake.cluster.view)
 
+After the store lost state (restarted empty, restored from an older snapshot) every view reads
+the index again and every node republishes its records (docs/cluster.md, "The metadata store
+lost state").
+
 Lifecycle of a scope: A retires it -> ``retire_scope`` deletes its rounds in etcd -> the delete
 events remove its pages from every view. A dies -> its lease expires -> etcd deletes its rounds
 -> the same delete events.
@@ -35,17 +39,21 @@ class ClusterIndex:
         lease: callable returning the node's current lease id (records are held on it).
         timeout_s: seconds per etcd call.
         idle_s: a silent watch is re-opened from its last revision after this many seconds.
+        on_reread: called (on the view's thread, must not block) after the view read the whole
+            index again (a compacted revision, a store that lost state); None = republish this
+            node's records at once (:meth:`RoundPublisher.republish_all`).
 
     Raises:
         ValueError: an endpoint is not ``http(s)://host:port``.
     """
 
     def __init__(self, endpoints: Sequence[str], prefix: str, node_id: int, lease: Callable[[], int],
-                 timeout_s: float = 2.0, idle_s: float = 5.0):
+                 timeout_s: float = 2.0, idle_s: float = 5.0, on_reread: Optional[Callable[[], None]] = None):
         self.node_id = node_id
         # one session per thread that talks to etcd: the watch streams on its own
-        self.view = ClusterView(EtcdSession(endpoints, timeout_s), prefix, node_id, idle_s=idle_s)
         self.publisher = RoundPublisher(EtcdSession(endpoints, timeout_s), prefix, node_id, lease)
+        self.view = ClusterView(EtcdSession(endpoints, timeout_s), prefix, node_id, idle_s=idle_s,
+                                on_reread=on_reread or self.publisher.republish_all)
 
     def start(self, bootstrap_timeout_s: float = 10.0) -> bool:
         """Start publishing and watching; returns whether the first bootstrap finished within
@@ -109,12 +117,15 @@ class ClusterIndex:
 
     def stats(self) -> dict:
         """Counters: ``remote_pages``, ``remote_records``, ``revision``, ``bootstraps``,
+        ``store_resets`` (the metadata store was found to have lost state: docs/cluster.md),
         ``reconnects``, ``idle_reopens``, ``events_applied``, ``bad_records``, ``rounds_published``,
         ``scopes_retired``, ``transactions``, ``publish_failures``, ``dropped_rounds``,
-        ``publish_pending``."""
+        ``publish_pending``, ``republish_syncs``, ``stale_records_deleted``."""
         v, p = self.view, self.publisher
         return {"remote_pages": len(v), "remote_records": v.records(), "revision": v.revision,
-                "bootstraps": v.bootstraps, "reconnects": v.reconnects, "idle_reopens": v.idle_reopens, "events_applied": v.events_applied,
+                "bootstraps": v.bootstraps, "store_resets": v.store_resets, "reconnects": v.reconnects,
+                "idle_reopens": v.idle_reopens, "events_applied": v.events_applied,
                 "bad_records": v.bad_records, "rounds_published": p.rounds_published,
                 "scopes_retired": p.scopes_retired, "transactions": p.transactions,
-                "publish_failures": p.failures, "dropped_rounds": p.dropped_rounds, "publish_pending": p.pending()}
+                "publish_failures": p.failures, "dropped_rounds": p.dropped_rounds, "publish_pending": p.pending(),
+                "republish_syncs": p.syncs, "stale_records_deleted": p.stale_deleted}

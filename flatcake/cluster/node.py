@@ -7,7 +7,10 @@ Lifecycle::
         register P/nodes/<node_id> on it, only if absent (a live node with the same node_id
             -> wait one TTL for it to expire, then ConfigError naming node_id)
         keepalive thread: renew every TTL/3; a lease found expired (etcd lost it, or we were
-            cut off longer than the TTL) -> new lease, register again, republish every record
+            cut off longer than the TTL) -> new lease, register again, republish every record,
+            the view reads the index again
+        the view read the index again (a compacted revision, a store that lost state) -> the
+            keepalive thread wakes at once: renew (or re-lease as above), republish every record
         index (publisher + view) and coordinator start
     close(): stop the threads, revoke the lease (every record of this node vanishes at once);
         ``close(revoke=False)`` leaves them to expire with the lease (what a crash does)
@@ -59,9 +62,10 @@ class ClusterNode:
         self.leases_lost = 0
         self.evicted = False  # our node_id was taken while our lease was lost: no longer publishing
         self._stop = threading.Event()
+        self._wake = threading.Event()  # the view read the index again: check the lease, republish
         self._thread: Optional[threading.Thread] = None
         self.index = ClusterIndex(cluster.etcd, cluster.prefix, node_id, self.lease_id, cluster.timeout_s,
-                                  cluster.watch_idle_s)
+                                  cluster.watch_idle_s, on_reread=self._wake.set)
         cap = capacity or (lambda: Capacity(node_id, 0, 0))
         self.coordinator = CapacityCoordinator(EtcdSession(cluster.etcd, cluster.timeout_s), cluster.prefix,
                                                node_id, self.lease_id, cap, cluster.capacity_interval_s)
@@ -108,6 +112,9 @@ class ClusterNode:
             created, holder = self.session.create(key, self.registration(), self._lease)
             if created:
                 return
+            if self._is_mine(holder):  # our own registration on a lease we lost (an older snapshot
+                self.session.put(key, self.registration(), self._lease)  # brought it back): take it over
+                return
             if time.monotonic() >= deadline:
                 raise ConfigError(
                     f"node_id: {self.node_id} is already registered in the cluster at {self.cfg.etcd[0]} "
@@ -115,17 +122,34 @@ class ClusterNode:
                     "node_id (the cluster node id, cluster.node_id, is the top-level node_id: the GVA node field)")
             time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
 
+    def _is_mine(self, registration: Optional[bytes]) -> bool:
+        """Whether ``registration`` (a ``P/nodes/<node_id>`` value) was written by this process."""
+        try:
+            d = json.loads(registration or b"")
+        except ValueError:
+            return False
+        return (isinstance(d, dict) and d.get("node") == self.node_id and d.get("host") == socket.gethostname()
+                and d.get("pid") == os.getpid())
+
     def _keepalive(self) -> None:
         period = self.cfg.lease_ttl_s / 3.0
-        logged = False
-        while not self._stop.wait(period):
+        logged, republish = False, False
+        while not self._stop.is_set():
+            republish = self._wake.wait(period) or republish
+            self._wake.clear()
+            if self._stop.is_set():
+                return
             try:
                 ttl = self.session.keepalive(self._lease)
                 if ttl > 0:
                     self.lease_renewals += 1
                     logged = False
+                    if republish:  # the view read the index again: the store may have lost our records
+                        self.index.publisher.republish_all()
+                    republish = False
                     continue
                 self._lease_lost()
+                republish = False
             except Exception as e:  # EtcdUnavailable, a refused call, or our id taken meanwhile
                 if not logged:
                     logged = True
@@ -149,6 +173,7 @@ class ClusterNode:
             self._stop.set()
             return
         self.index.publisher.republish_all()
+        self.index.view.request_reread()  # the store may have lost state without going back in revision
         self.coordinator.publish()
 
     def _revoke_quietly(self) -> None:
@@ -161,6 +186,7 @@ class ClusterNode:
         """Leave the cluster: stop the threads (after trying to publish what is queued for
         ``flush_s`` seconds) and revoke the lease (``revoke=False``: let it expire)."""
         self._stop.set()
+        self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=self.cfg.timeout_s + 1)
         self.coordinator.close()

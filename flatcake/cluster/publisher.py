@@ -7,7 +7,10 @@ Lifecycle::
          operations and ``max_bytes`` bytes; a retire of a scope with a round in the same batch
          starts the next batch: etcd refuses a transaction that touches a key twice)
       -> commit under the node's current lease; on failure (etcd down) keep the batch and retry
-      -> republish_all(): after the lease was lost, every live record again under the new lease
+      -> republish_all(): the store may not hold this node's records as they are (its lease was
+         lost, the store restarted empty or from an older snapshot, the view's revision was
+         compacted): a sync reads P/rounds/<node>/ once, then deletes the records this node no
+         longer holds and puts the live ones missing, different or on another lease
 
 Nothing is dropped while etcd is away: queued operations wait (up to ``max_queued`` of them;
 beyond that the oldest rounds are dropped and counted — their pages are simply not visible to
@@ -21,8 +24,8 @@ import logging
 import threading
 from typing import Callable, Optional
 
-from flatcake.cluster.etcd import EtcdSession, EtcdUnavailable, op_delete_prefix, op_put
-from flatcake.cluster.records import RoundRecord, round_key, scope_prefix
+from flatcake.cluster.etcd import EtcdSession, EtcdUnavailable, op_delete, op_delete_prefix, op_put
+from flatcake.cluster.records import RoundRecord, node_rounds_prefix, round_key, scope_prefix
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +51,8 @@ class RoundPublisher:
         self.node_id = node_id
         self.lease = lease
         self.max_ops, self.max_bytes, self.max_queued, self.retry_s = max_ops, max_bytes, max_queued, retry_s
-        self._queue: collections.deque = collections.deque()  # ("put", key, value) | ("retire", scope_id)
+        # ("put", key, value) | ("delete", key) | ("retire", scope_id) | ("sync",)
+        self._queue: collections.deque = collections.deque()
         self._live: dict[int, dict[str, bytes]] = {}  # scope id -> record key -> value (for republish)
         self._cv = threading.Condition()
         self._inflight = 0
@@ -59,6 +63,8 @@ class RoundPublisher:
         self.transactions = 0
         self.failures = 0
         self.dropped_rounds = 0
+        self.syncs = 0  # republish_all() syncs done
+        self.stale_deleted = 0  # records found in the store that this node no longer holds, deleted
         self._logged: set[str] = set()
 
     def _log_once(self, kind: str, msg: str, *args) -> None:
@@ -90,12 +96,14 @@ class RoundPublisher:
             self._cv.notify()
 
     def republish_all(self) -> None:
-        """Queue every live record again (the lease they were on is gone)."""
+        """Make this node's records in the store exactly the live ones (returns at once; the
+        publisher thread reads ``P/rounds/<node>/`` once, then queues, ahead of what came later,
+        a delete of every record there that is not live — a retired scope, a round an older
+        snapshot brought back — and a put of every live record missing, different or on another
+        lease than the current one). Call it when the store may have lost or changed them: the
+        lease was lost, the store restarted empty or from an older snapshot."""
         with self._cv:
-            for recs in self._live.values():
-                for key, value in recs.items():
-                    self._queue.append(("put", key, value))
-            self._trim_locked()
+            self._queue.append(("sync",))
             self._cv.notify()
 
     def flush(self, timeout_s: float) -> bool:
@@ -135,24 +143,38 @@ class RoundPublisher:
             self._thread.join(timeout=self.session.timeout_s + 1)
 
     def _take_batch_locked(self) -> list[tuple]:
+        """The next transaction's operations: a sync alone, else puts, deletes and retires that
+        never touch one key twice (etcd refuses such a transaction: a key put twice, a key put
+        or deleted and its scope retired in the same one)."""
+        if self._queue and self._queue[0][0] == "sync":
+            return [self._queue.popleft()]
         batch: list[tuple] = []
-        nbytes, scopes_put = 0, set()
+        nbytes, keys, scopes_touched, scopes_retired = 0, set(), set(), set()
         while self._queue and len(batch) < self.max_ops:
             op = self._queue[0]
-            if op[0] == "put":
-                if batch and nbytes + len(op[2]) > self.max_bytes:
+            if op[0] == "sync":
+                break
+            if op[0] == "retire":
+                scope = f"{op[1]:016x}"
+                if scope in scopes_touched or scope in scopes_retired:
                     break
+                scopes_retired.add(scope)
+            else:  # a put or a delete of one record
                 scope = op[1].rsplit("/", 2)[-2]
-                nbytes += len(op[2])
-                scopes_put.add(scope)
-            elif f"{op[1]:016x}" in scopes_put:
-                break  # the same keys twice in one transaction: etcd refuses it
+                if op[1] in keys or scope in scopes_retired:
+                    break
+                if op[0] == "put":
+                    if batch and nbytes + len(op[2]) > self.max_bytes:
+                        break
+                    nbytes += len(op[2])
+                keys.add(op[1])
+                scopes_touched.add(scope)
             batch.append(self._queue.popleft())
         return batch
 
     def _ops(self, batch: list[tuple]) -> list[dict]:
         lease = self.lease()
-        return [op_put(op[1], op[2], lease) if op[0] == "put"
+        return [op_put(op[1], op[2], lease) if op[0] == "put" else op_delete(op[1]) if op[0] == "delete"
                 else op_delete_prefix(scope_prefix(self.prefix, self.node_id, op[1])) for op in batch]
 
     def _run(self) -> None:
@@ -163,7 +185,7 @@ class RoundPublisher:
                     return
                 batch = self._take_batch_locked()
                 self._inflight = len(batch)
-            ok = self._commit(batch)
+            ok = self._sync() if batch[0][0] == "sync" else self._commit(batch)
             with self._cv:
                 self._inflight = 0
                 if not ok:
@@ -171,6 +193,35 @@ class RoundPublisher:
                 self._cv.notify_all()
                 if not ok and not self._stop:
                     self._cv.wait(self.retry_s)
+
+    def _sync(self) -> bool:
+        """The sync of :meth:`republish_all`: read this node's records in the store, queue at the
+        front what makes them the live ones. True when done, False to retry (etcd away)."""
+        try:
+            _header, kvs = self.session.range_prefix(node_rounds_prefix(self.prefix, self.node_id))
+            stored = {key: (value, int(kv.get("lease", 0) or 0)) for key, value, kv in kvs}
+        except EtcdUnavailable as e:
+            self.failures += 1
+            self._log_once("unavailable", "cluster publisher: etcd unreachable (%s); rounds wait and are retried", e)
+            return False
+        except Exception as e:  # refused: put every live record (what stale ones remain expire with their lease)
+            self.failures += 1
+            self._log_once("sync", "cluster publisher: cannot read this node's records (%s: %s); putting every "
+                           "live record again", type(e).__name__, e)
+            stored = {}
+        lease = self.lease()
+        with self._cv:  # the live set and the queue as of now: later operations stay behind these
+            live = {key: value for recs in self._live.values() for key, value in recs.items()}
+            ops = [("delete", key) for key in stored if key not in live]
+            ops += [("put", key, value) for key, value in live.items() if stored.get(key) != (value, lease)]
+            self._queue.extendleft(reversed(ops))
+            self._trim_locked()
+        self.syncs += 1
+        if ops:
+            log.info("cluster publisher: node %d sync: %d records in the store, %d live; %d deleted, %d put",
+                     self.node_id, len(stored), len(live), sum(op[0] == "delete" for op in ops),
+                     sum(op[0] == "put" for op in ops))
+        return True
 
     def _commit(self, batch: list[tuple]) -> bool:
         """One transaction; True when committed or given up on (refused for another reason than
@@ -194,6 +245,8 @@ class RoundPublisher:
         for op in batch:
             if op[0] == "put":
                 self.rounds_published += 1
+            elif op[0] == "delete":
+                self.stale_deleted += 1
             else:
                 self.scopes_retired += 1
         return True

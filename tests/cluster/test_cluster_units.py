@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("etcd3gw", reason="the cluster extra (etcd3gw) is not installed")
 
-from flatcake.cluster.etcd import EtcdUnavailable, WatchCompacted, b64  # noqa: E402
+from flatcake.cluster.etcd import EtcdUnavailable, StoreHeader, WatchCompacted, b64, unb64  # noqa: E402
 from flatcake.cluster.publisher import RoundPublisher  # noqa: E402
 from flatcake.cluster.records import (  # noqa: E402
     RecordError,
@@ -90,17 +90,22 @@ class ScriptedSession:
 
     timeout_s = 0.1
 
-    def __init__(self, ranges, streams):
-        self.ranges, self.streams = list(ranges), list(streams)
+    def __init__(self, ranges, streams, headers=()):
+        self.ranges, self.streams, self.headers = list(ranges), list(streams), list(headers)
         self.watch_starts: list[int] = []
         self.done = threading.Event()
+        self.member = "m1"  # the member whose header comes with scripted events
+
+    def header(self):
+        return self.headers.pop(0)
 
     def abort_watch(self):
         pass
 
     def range_prefix(self, prefix, page_keys=1000):
         rev, recs = self.ranges.pop(0)
-        return rev, [(k, v, {}) for k, v in recs]
+        header = rev if isinstance(rev, StoreHeader) else StoreHeader("c1", "m1", rev, 2)
+        return header, [(k, v, {}) for k, v in recs]
 
     def watch_prefix(self, prefix, start_revision, idle_s):
         self.watch_starts.append(start_revision)
@@ -109,12 +114,17 @@ class ScriptedSession:
             threading.Event().wait(0.05)
             raise EtcdUnavailable("script over")
         events, end = self.streams.pop(0)
-        yield from events
+        for evs in events:
+            if isinstance(evs, StoreHeader):  # a response without events (the watch created)
+                yield evs, []
+                continue
+            rev = max((int(ev["kv"].get("mod_revision", 0)) for ev in evs), default=start_revision - 1)
+            yield StoreHeader("c1", self.member, rev, 2), evs
         raise end
 
 
-def _run_view(session, own=9):
-    view = ClusterView(session, P, own, idle_s=0.1, retry_s=0.001)
+def _run_view(session, own=9, on_reread=None):
+    view = ClusterView(session, P, own, idle_s=0.1, retry_s=0.001, on_reread=on_reread)
     assert view.start(5.0)
     assert session.done.wait(5.0)
     view.close()
@@ -149,6 +159,45 @@ def test_view_reads_the_whole_index_again_when_its_revision_was_compacted():
     assert view.get(r1.keys[0]) is None and view.get(r2.keys[0]).gva == r2.gvas[0]
 
 
+@pytest.mark.parametrize("created,why", [
+    (StoreHeader("c1", "m1", 3, 2), "revision 11 -> 3"),  # restarted empty / an older snapshot
+    (StoreHeader("c7", "m1", 50, 2), "cluster id c1 -> c7"),  # another cluster on the endpoint
+    (StoreHeader("c1", "m1", 11, 1), "raft term 2 -> 1"),
+])
+def test_view_that_finds_the_store_lost_state_reads_it_again_and_asks_for_a_republish(created, why, caplog):
+    r1, r2, r3 = _record(scope=1), _record(scope=2), _record(scope=3)
+    k1, k2, k3 = (round_key(P, 1, scope, 0) for scope in (1, 2, 3))
+    confirmed = StoreHeader(created.cluster_id, "m1", created.revision, created.raft_term)
+    session = ScriptedSession(ranges=[(10, [(k1, r1.encode())]), (created, [(k3, r3.encode())])],
+                              streams=[([[{"kv": _kv(k2, r2.encode(), 11)}], created], EtcdUnavailable("x"))],
+                              headers=[confirmed])
+    rereads = []
+    with caplog.at_level("WARNING", logger="flatcake.cluster.view"):
+        view = _run_view(session, on_reread=lambda: rereads.append(1))
+    assert view.store_resets == 1 and view.bootstraps == 2 and rereads == [1]
+    assert view.revision == created.revision and view.store == created
+    assert view.get(r1.keys[0]) is None and view.get(r2.keys[0]) is None  # no longer listed: gone
+    assert view.get(r3.keys[2]).gva == r3.gvas[2] and len(view) == 4
+    assert session.watch_starts[:2] == [11, created.revision + 1]
+    warned = [r.getMessage() for r in caplog.records if "lost state" in r.getMessage()]
+    assert len(warned) == 1 and why in warned[0] and f"at revision {created.revision}" in warned[0]
+
+
+def test_view_on_another_member_with_the_same_history_keeps_watching():
+    r1, r2 = _record(scope=1), _record(scope=2)
+    k1, k2 = round_key(P, 1, 1, 0), round_key(P, 1, 2, 0)
+    lagging = StoreHeader("c1", "m2", 9, 2)  # a failover to a member a little behind
+    session = ScriptedSession(ranges=[(10, [(k1, r1.encode())])],
+                              streams=[([lagging, [{"kv": _kv(k2, r2.encode(), 11)}]], EtcdUnavailable("x"))],
+                              headers=[StoreHeader("c1", "m2", 11, 2)])
+    session.member = "m2"
+    rereads = []
+    view = _run_view(session, on_reread=lambda: rereads.append(1))
+    assert view.store_resets == 0 and view.bootstraps == 1 and rereads == []
+    assert view.get(r1.keys[0]).gva == r1.gvas[0] and view.get(r2.keys[0]).gva == r2.gvas[0]
+    assert view.store.member_id == "m2" and session.headers == []
+
+
 def test_view_skips_its_own_rounds_and_undecodable_records():
     mine = _record(node=9, scope=1)
     session = ScriptedSession(ranges=[(5, [(round_key(P, 9, 1, 0), mine.encode()),
@@ -161,18 +210,36 @@ def test_view_skips_its_own_rounds_and_undecodable_records():
 
 
 class RecordingSession:
+    """Records every transaction and applies its puts and deletes to ``store`` (key -> (value,
+    lease)), which ``range_prefix`` reads."""
+
     timeout_s = 0.5
 
     def __init__(self, fail_first=0):
         self.txns: list[list[dict]] = []
         self.fail_first = fail_first
+        self.store: dict[str, tuple[bytes, int]] = {}
 
     def txn(self, ops, compare=(), failure=()):
         if self.fail_first:
             self.fail_first -= 1
             raise EtcdUnavailable("down")
         self.txns.append(list(ops))
+        for op in ops:
+            if "request_put" in op:
+                put = op["request_put"]
+                self.store[unb64(put["key"]).decode()] = (unb64(put["value"]), int(put.get("lease", 0)))
+            else:
+                rng = op["request_delete_range"]
+                lo = unb64(rng["key"]).decode()
+                hi = unb64(rng["range_end"]).decode() if "range_end" in rng else None
+                for k in [k for k in self.store if (lo <= k < hi if hi else k == lo)]:
+                    del self.store[k]
         return {"succeeded": True}
+
+    def range_prefix(self, prefix, page_keys=1000):
+        kvs = [(k, v, {"lease": str(lease)}) for k, (v, lease) in sorted(self.store.items()) if k.startswith(prefix)]
+        return StoreHeader("c1", "m1", len(self.txns) + 1, 2), kvs
 
 
 def test_publisher_batches_rounds_into_transactions_on_the_lease_and_cuts_before_a_retire_of_their_scope():
@@ -203,20 +270,50 @@ def test_publisher_keeps_rounds_while_etcd_is_down_and_commits_them_in_order_aft
     assert pub.failures == 3 and pub.dropped_rounds == 0
 
 
-def test_publisher_republishes_live_rounds_but_not_retired_scopes():
+def test_publisher_republish_makes_the_store_hold_exactly_its_live_rounds_on_its_lease():
     s = RecordingSession()
-    pub = RoundPublisher(s, P, 1, lambda: 5)
+    lease = [5]
+    pub = RoundPublisher(s, P, 1, lambda: lease[0])
     pub.start()
-    pub.publish_round(_record(scope=1))
-    pub.publish_round(_record(scope=2))
+    rounds = {scope: _record(scope=scope) for scope in (1, 2, 3)}
+    for r in rounds.values():
+        pub.publish_round(r)
     pub.retire_scope(1)
     assert pub.flush(5.0)
     n = len(s.txns)
+    pub.republish_all()  # the store holds exactly the live rounds: a read, nothing written
+    assert pub.flush(5.0)
+    assert len(s.txns) == n and pub.syncs == 1
+    # the store restored from an older snapshot: scope 1 (retired since) is back, scope 2 is
+    # gone, scope 3 is there on an old lease; and this node re-leased meanwhile
+    k1, k2, k3 = (round_key(P, 1, scope, 0) for scope in (1, 2, 3))
+    s.store = {k1: (rounds[1].encode(), 5), k3: (rounds[3].encode(), 5),
+               round_key(P, 2, 9, 0): (b"another node's", 4)}
+    lease[0] = 6
     pub.republish_all()
     assert pub.flush(5.0)
     pub.close()
-    again = [op["request_put"]["key"] for t in s.txns[n:] for op in t]
-    assert again == [b64(round_key(P, 1, 2, 0))]
+    assert s.store == {k2: (rounds[2].encode(), 6), k3: (rounds[3].encode(), 6),
+                       round_key(P, 2, 9, 0): (b"another node's", 4)}
+    assert (pub.syncs, pub.stale_deleted, pub.rounds_published) == (2, 1, 5)
+    assert len(s.txns) == n + 1  # one delete and two puts of distinct keys: one transaction
+
+
+def test_publisher_never_puts_one_key_twice_or_a_scope_and_its_retire_in_one_transaction():
+    s = RecordingSession()
+    pub = RoundPublisher(s, P, 1, lambda: 5)
+    r = _record(scope=3)
+    pub.publish_round(r)
+    pub.publish_round(r)  # the same key again (queued twice before a commit)
+    pub.retire_scope(3)
+    again = _record(scope=3, seq=1)
+    pub.publish_round(again)  # the scope id in use again after its retire
+    pub.start()
+    assert pub.flush(5.0)
+    pub.close()
+    kinds = [[next(iter(op)) for op in t] for t in s.txns]
+    assert kinds == [["request_put"], ["request_put"], ["request_delete_range"], ["request_put"]]
+    assert pub.dropped_rounds == 0 and s.store == {round_key(P, 1, 3, 1): (again.encode(), 5)}
 
 
 # ---- configuration ------------------------------------------------------------------------
