@@ -81,6 +81,12 @@ _COUNTERS = {
                                     [("write_backlog_dropped_pages", ())], ()),
     "deferred_write_failures": ("Queued SSD rounds whose write failed after the put returned.",
                                 [("deferred_write_failures", ())], ()),
+    "write_backlog_evicted_rounds": ("Queued SSD rounds never written because a round that found the pool full "
+                                     "evicted their scope (pinned only by rounds waiting in the queue).",
+                                     [("write_backlog_evicted_rounds", ())], ()),
+    "cluster_store_resets": ("Times the cluster's metadata store (etcd) was seen to lose state (revision gone "
+                             "back, another cluster id, a lower raft term) and the index was read again.",
+                             [("cluster_store_resets", ())], ()),
     "mas_prefetches": ("Prefetches the FC-MAS plugin's lanes ran, per lane (dram: DRAM-ready, ssd: restores).",
                        [("mas_prefetches_dram", ("dram",)), ("mas_prefetches_ssd", ("ssd",))], ("lane",)),
     "mas_overtakes": ("Prefetches the FC-MAS lanes completed ahead of one submitted earlier and still unfinished.",
@@ -118,7 +124,7 @@ _GAUGES = {
     "ssd_drive_read_failures": ("Failed reads of the drive's files since start-up.", ("drive", "path")),
     "ssd_write_bytes_per_hour": ("SSD bytes written per hour since the store opened.", ()),
     "ssd_dwpd": ("Projected SSD drive writes per day at the current write rate, for the configured capacity.", ()),
-    "native_loop_state": ("1 for the C loop's current state (native, fallback, off, pending), 0 for the others.",
+    "native_loop_state": ("1 for the C loop's current state (native, fallback, off), 0 for the others.",
                           ("loop", "state")),
 }
 
@@ -182,6 +188,9 @@ class FlatCakeMetrics:
         """Bring every metric to ``snap`` (:meth:`PageStore.snapshot_stats`, or the adapter's
         ``flatcake_stats()`` with its ``mas_lanes``). Never raises for a missing key (that metric
         is left as it was)."""
+        cluster = snap.get("cluster")
+        if isinstance(cluster, dict) and "store_resets" in cluster:
+            snap = dict(snap, cluster_store_resets=cluster["store_resets"])
         lanes = snap.get("mas_lanes")
         if lanes:
             snap = dict(snap, mas_prefetches_dram=lanes.get("dram", 0), mas_prefetches_ssd=lanes.get("ssd", 0),

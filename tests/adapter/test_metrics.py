@@ -374,3 +374,18 @@ def test_a_drain_between_a_call_and_its_count_loses_no_page(metered, monkeypatch
     after = be.get_stats()
     assert after.backup_pgs == [5] and len(after.backup_bandwidth) == 1
     assert be.get_stats().backup_pgs == []  # counted once
+
+
+def test_evicted_queued_rounds_and_cluster_store_resets_are_counters():
+    """The write queue's evictions (issue 24 item 3) and the cluster's store resets (item 7, from
+    ``flatcake_stats()["cluster"]``) reach Prometheus as counters that only grow by the deltas."""
+    prom = pytest.importorskip("prometheus_client")
+    reg = prom.CollectorRegistry()
+    ex = metrics.FlatCakeMetrics({"pool": "p", "tp_rank": 0, "pp_rank": 0, "dp_rank": 0}, reg)
+    lab = {"pool": "p", "tp_rank": "0", "pp_rank": "0", "dp_rank": "0"}
+    ex.update({"write_backlog_evicted_rounds": 3, "cluster": {"store_resets": 1, "leases_lost": 1}})
+    ex.update({"write_backlog_evicted_rounds": 5, "cluster": {"store_resets": 2}})
+    assert reg.get_sample_value("flatcake_write_backlog_evicted_rounds_total", lab) == 5
+    assert reg.get_sample_value("flatcake_cluster_store_resets_total", lab) == 2
+    ex.update({"write_backlog_evicted_rounds": 5})  # no cluster: the counter stays where it was
+    assert reg.get_sample_value("flatcake_cluster_store_resets_total", lab) == 2
