@@ -1,8 +1,9 @@
-"""``python -m flatcake.native [--json]``: build FlatCake's C loops and print each one's state
-(native, fallback and why, off, pending); exit 0 when none fell back, else 1.
+"""``python -m flatcake.native [--json]``: print the state of each of FlatCake's C loops (native,
+fallback and why, off) and the extension they come from; exit 0 when none fell back, else 1.
 
-The loops and their registry are :mod:`flatcake.native_loop` (:func:`~flatcake.native_loop.main`
-is the command); this module only gives the command its name.
+The loops are C in ``csrc/``, compiled at install into the extension ``flatcake._native``; their
+registry is :mod:`flatcake.native_loop` (:func:`~flatcake.native_loop.main` is the command);
+this module only gives the command its name.
 """
 
 from flatcake.native_loop import main

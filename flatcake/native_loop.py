@@ -1,48 +1,45 @@
-"""FlatCake's C loops: compiled once per process in the background, each with a fallback and a
-state that is reported (issue 23 item 17, issue 24 item 8).
+"""FlatCake's C loops: one extension built at install, each loop with a fallback and a state
+that is reported (issue 23 item 17, issue 24 item 8, issue 25).
 
-The hot loops of the data path (paper §3.3) run in small C shims called through :mod:`ctypes`
+The hot loops of the data path (paper §3.3) are C functions called through :mod:`ctypes`
 without the GIL: the one-call restore and its plan (:mod:`flatcake.cio.native_restore`), the
 zero-copy restore (:mod:`flatcake.cio.native_zero_copy`), the round gather
 (:mod:`flatcake.cio.native_gather`), the write queue's piece writer
 (:mod:`flatcake.native_write`), the xxh3-64 of each chunk (:mod:`flatcake.cio.xxh3_bulk`) and
-the device checksum's host side (:mod:`flatcake.kernels.fcds_native`). Each has a Python / numpy
-fallback that gives the same bits, several times slower (writes at about 0.5 GB/s).
+the device checksum's host side (:mod:`flatcake.kernels.fcds_native`). Their source is
+``csrc/*.c`` (tested as C by ``csrc/tests/``, ``tests/native/``); ``pip install`` / ``pip
+wheel`` compile it (``setup.py``) into one extension module, :data:`EXTENSION`, inside the
+package. No compiler runs at run time: :func:`library` loads the built object with
+:mod:`ctypes` by the module's ``__file__`` and each loop binds its functions by name
+(:func:`entry`). Each loop has a Python / numpy fallback that gives the same bits, several
+times slower (writes at about 0.5 GB/s).
 
 Lifecycle of a loop::
 
-    NativeLoop(build, env, note, name=...)     # registered under its name at import
-      -> warm_up() / first fn()                # its build starts in a background (daemon) thread
-      -> compile_shim(): $CC (split like a shell), one compiler run at a time in the process,
-         at most FLATCAKE_CC_TIMEOUT_S each, files in $TMPDIR or the next usable directory,
-         the library loaded and the files removed
-      -> state: native | fallback (why) | off (its environment variable) | pending (compiling)
+    NativeLoop(build, env, note, name=...)    # registered under its name at import
+      -> first fn() / report() / warm_up()     # build(): bind from the extension (microseconds)
+      -> state: native | fallback (why) | off (its environment variable, or FLATCAKE_NATIVE=0)
       -> fn(): the loop, or None (the caller runs its fallback)
 
-Nobody waits long for a compiler: :meth:`NativeLoop.fn` waits for its build at most
-:data:`WAIT_S` seconds, and not at all once the compiler run in progress has taken that long
-(the fallback runs meanwhile, the loop is used from when it is ready). A compiler that times out
-is killed and not run again in this process: the loops not built yet fall back at once, with the
-reason; at exit a compiler still running is killed and its files removed (the build threads are
-daemons). A fallback is logged at WARNING (once per loop) and shows in :func:`report`, which the
-SGLang adapter puts in ``flatcake_stats()["native_loops"]``, its start-up line and the
+A loop falls back when the extension was not built (an ImportError: a source tree used
+without ``pip install``, a build without a compiler), is stale (a source checkout whose
+``csrc/`` changed since the build: rebuild with ``pip install --no-deps -e .``), lacks the
+loop's function, or the xxhash extension does not export what the loop calls. A fallback is
+logged at WARNING (once per loop) and shows in :func:`report`, which the SGLang adapter puts
+in ``flatcake_stats()["native_loops"]``, its start-up line and the
 ``flatcake_native_loop_state`` metric (``docs/metrics.md``). ``python -m flatcake.native``
-(:func:`main`) builds every loop and prints its state.
+(:func:`main`) prints every loop's state.
 """
 
 from __future__ import annotations
 
-import atexit
 import ctypes
+import hashlib
 import importlib
 import logging
 import os
-import shlex
-import shutil
-import signal
-import tempfile
 import threading
-import time
+from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 import numpy as np
@@ -50,262 +47,106 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 #: the states a loop reports: its C loop runs; its fallback runs (``reason`` says why); turned
-#: off by its environment variable; not built yet (or compiling)
-STATES = ("native", "fallback", "off", "pending")
-#: seconds a caller waits for a build at most (start-up, the first put); not at all once the
-#: compiler run in progress has taken this long
-WAIT_S = 5.0
-#: environment variable: seconds one compiler run may take before it is killed (and the compiler
-#: is not run again in this process)
-TIMEOUT_ENV = "FLATCAKE_CC_TIMEOUT_S"
-#: its default (a compile takes 0.1-0.5 s on an idle machine)
-DEFAULT_TIMEOUT_S = 20.0
+#: off by its environment variable (or :data:`ALL_OFF_ENV`)
+STATES = ("native", "fallback", "off")
+#: the extension module that holds every C loop (``csrc/``, built by ``setup.py``)
+EXTENSION = "flatcake._native"
+#: environment variable: ``0`` turns every C loop off (each runs its fallback; for A/B runs and
+#: tests of the fallbacks), like each loop's own variable
+ALL_OFF_ENV = "FLATCAKE_NATIVE"
+#: the C sources of a source checkout (absent in an installed wheel: no staleness check there)
+CSRC = Path(__file__).resolve().parent.parent / "csrc"
 #: the modules that define the registered loops (imported by :func:`loops`)
 LOOP_MODULES = ("flatcake.cio.native_restore", "flatcake.cio.native_zero_copy", "flatcake.cio.native_gather",
                 "flatcake.native_write", "flatcake.cio.xxh3_bulk", "flatcake.kernels.fcds_native")
 #: the order in which the loops are listed
 ORDER = ("restore", "plan", "zero_copy", "gather", "write", "xxh3", "fcds")
 
-_compile_lock = threading.Lock()  # one compiler run at a time in the process
-_hung = ""  # set when a compiler run timed out: the compiler is not run again
-_running: dict = {}  # pid -> (build directory, time.monotonic() at start) of the compiler run in progress
-_build_dirs: set = set()  # build directories in use (removed at exit if a build thread still holds one)
-_running_lock = threading.Lock()  # guards _running, _build_dirs and _exiting
-_exiting = False  # set at exit: no build directory is made and no compiler started any more
 _REGISTRY: dict = {}  # name -> NativeLoop
+_lib_lock = threading.Lock()
+_lib: Optional[tuple] = None  # (ctypes.CDLL or None, why, path) once loaded
 
 
-def compile_timeout_s() -> float:
-    """Seconds one compiler run may take (``FLATCAKE_CC_TIMEOUT_S``, default
-    :data:`DEFAULT_TIMEOUT_S`; a value that is not a positive number is the default)."""
+def source_hash(csrc: Path) -> str:
+    """sha256 (hex) over the names and bytes of ``csrc``'s ``*.c`` and ``*.h`` files sorted by
+    name: what ``setup.py`` compiles into the extension's ``SOURCE_HASH`` (the same function)."""
+    h = hashlib.sha256()
+    for p in sorted(list(csrc.glob("*.c")) + list(csrc.glob("*.h")), key=lambda p: p.name):
+        h.update(p.name.encode() + b"\0" + p.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+def _load() -> tuple:
+    """``(lib, "", path)``, or ``(None, why, path or "")``; see :func:`library`."""
     try:
-        t = float(os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT_S))
-    except ValueError:
-        return DEFAULT_TIMEOUT_S
-    return t if t > 0 else DEFAULT_TIMEOUT_S
-
-
-def compiler() -> tuple[list, str]:
-    """The C compiler's command: ``$CC`` split as a shell would (``ccache gcc``, ``gcc -pipe``),
-    else ``cc`` or ``gcc`` on ``PATH``; ``([], why)`` when there is none."""
-    raw = os.environ.get("CC", "")
-    if raw.strip():
+        mod = importlib.import_module(EXTENSION)
+    except ImportError as e:
+        return None, (f"extension not built ({type(e).__name__}: {e}); it is compiled by pip install "
+                      "(a C compiler is needed then, none at run time)"), ""
+    path = getattr(mod, "__file__", "") or ""
+    built = getattr(mod, "SOURCE_HASH", "")
+    if CSRC.is_dir() and (CSRC.parent / "setup.py").is_file():
         try:
-            argv = shlex.split(raw)
-        except ValueError as e:
-            return [], f"CC={raw!r} cannot be split into words ({e})"
-        if shutil.which(argv[0]) is None:
-            return [], f"CC={raw!r}: {argv[0]} not found"
-        return argv, ""
-    cc = shutil.which("cc") or shutil.which("gcc")
-    return ([cc], "") if cc else ([], "no C compiler: CC unset and neither cc nor gcc on PATH")
+            now = source_hash(CSRC)
+        except OSError as e:
+            return None, f"cannot read {CSRC} to check the extension against it ({e.strerror or e})", path
+        if built != now:
+            return None, (f"extension is stale: {path} was built from other C sources than {CSRC} now "
+                          "(rebuild: pip install --no-deps -e .)"), path
+    try:
+        return ctypes.CDLL(path), "", path
+    except OSError as e:
+        return None, f"loading {path} failed ({e})", path
 
 
-def build_dirs() -> list:
-    """Directories for the compiler's files, tried in turn: ``$TMPDIR``, ``/tmp``, ``/var/tmp``,
-    ``/dev/shm`` (one that cannot be written, is full or cannot map the library is named in the
-    reason, and the next is tried)."""
-    out: list = []
-    for d in (os.environ.get("TMPDIR"), "/tmp", "/var/tmp", "/dev/shm"):
-        if d and d not in out:
-            out.append(d)
-    return out
-
-
-def compile_shim(source: str, name: str, flag_sets: Sequence[Sequence[str]] = (("-O2",),)):
-    """Compile C ``source`` into a shared library and load it.
-
-    One compiler run at a time in the process, each at most :func:`compile_timeout_s` seconds;
-    after a run timed out the compiler is not run again in this process.
-
-    Args:
-        source: C source text.
-        name: short name for the temporary files (``flatcake-{name}-*``) and the reasons.
-        flag_sets: compiler flag lists tried in order (the first that compiles wins).
+def library() -> tuple[Optional[ctypes.CDLL], str]:
+    """The extension's shared object, loaded once per process with :mod:`ctypes` (kept loaded).
 
     Returns:
-        ``(ctypes.CDLL, note)``: ``note`` is ``""``, or says in which directory it was built when
-        ``$TMPDIR`` could not be used; or ``(None, why)``: no compiler, every compilation failed,
-        the compiler timed out (now or earlier in this process), or no directory could hold the
-        files. The temporary directory is removed in every case.
+        ``(lib, "")``, or ``(None, why)``: the extension was not built (``ImportError``), is
+        stale (a source checkout's ``csrc/`` hashes differently from what it was built from),
+        or could not be loaded.
     """
-    argv, why = compiler()
-    if not argv:
+    global _lib
+    with _lib_lock:
+        if _lib is None:
+            _lib = _load()
+        return _lib[0], _lib[1]
+
+
+def extension_path() -> str:
+    """The extension's file (``""`` when it was not built); loads it (:func:`library`)."""
+    library()
+    return _lib[2] if _lib else ""
+
+
+def entry(name: str, argtypes: Sequence, restype) -> tuple[Optional[Callable], str]:
+    """The extension's C function ``name`` with its ctypes signature set.
+
+    Args:
+        name: an exported function of ``csrc/`` (``fc_*``).
+        argtypes, restype: its ctypes argument and result types.
+
+    Returns:
+        ``(function, "")`` (a ctypes function: a call releases the GIL), or ``(None, why)``.
+    """
+    lib, why = library()
+    if lib is None:
         return None, why
-    with _compile_lock:
-        if _hung:
-            return None, f"not tried: {_hung}"
-        refused = []
-        for d in build_dirs():
-            lib, why, dir_ok = _compile_in(d, argv, source, name, flag_sets)
-            if lib is not None:
-                return lib, (f"built in {d}, not in " + ", ".join(refused)) if refused else ""
-            if dir_ok:
-                return None, why
-            refused.append(f"{d} ({why})")
-        return None, "no directory could hold the compiler's files: " + ", ".join(refused)
-
-
-_SPACE_ERRORS = ("No space left", "Disk quota exceeded", "Read-only file system", "Cannot create temporary file")
-
-
-def _compile_in(d: str, argv: list, source: str, name: str, flag_sets) -> tuple:
-    """One try in directory ``d``: ``(lib, "", True)``, ``(None, why, True)`` (the compiler's
-    verdict: stop) or ``(None, why, False)`` (the directory could not be used: try the next)."""
-    with _running_lock:  # registered at once: the exit removes it if this thread is still at work then
-        if _exiting:
-            return None, "not built: the process is exiting", True
-        try:
-            tmp = tempfile.mkdtemp(prefix=f"flatcake-{name}-", dir=d)
-        except OSError as e:
-            return None, f"{e.strerror or e}", False
-        _build_dirs.add(tmp)
     try:
-        src, so = os.path.join(tmp, f"{name}.c"), os.path.join(tmp, f"libfc{name}.so")
-        try:
-            with open(src, "w") as f:
-                f.write(source)
-        except OSError as e:
-            return None, f"{e.strerror or e}", False
-        cc = " ".join(argv)
-        rc, err = 1, "no flags"
-        for flags in flag_sets:
-            # the compiler's own temporary files go to this directory too (TMPDIR)
-            rc, err = _run([*argv, *flags, "-shared", "-fPIC", "-o", so, src], dict(os.environ, TMPDIR=tmp), tmp,
-                           name, cc)
-            if rc is None or rc == 0:
-                break
-        if rc is None:
-            return None, err, True
-        if rc != 0:
-            if any(s in err for s in _SPACE_ERRORS):
-                return None, f"{cc} could not write its files ({_space_line(err)})", False
-            return None, f"{cc} failed: {err.strip()[:200]}", True
-        try:
-            return ctypes.CDLL(so), "", True  # mapped: the file can go
-        except OSError as e:  # e.g. /dev/shm mounted noexec
-            return None, f"loading the library failed ({e})", False
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-        with _running_lock:
-            _build_dirs.discard(tmp)
-
-
-def _space_line(err: str) -> str:
-    """The compiler's first line that names the space or permission problem."""
-    return next((x.strip()[:200] for x in err.splitlines() if any(s in x for s in _SPACE_ERRORS)), "")
-
-
-def _run(cmd: list, env: dict, tmp: str, name: str, cc: str) -> tuple:
-    """Run the compiler: ``(returncode, stderr)``, or ``(None, why)`` when it timed out (its whole
-    session killed; the compiler is not run again in this process).
-
-    Started with ``posix_spawnp`` in a session of its own, its stdin and stdout on ``/dev/null``
-    and its stderr in a file of ``tmp``, all opened in the child: this process holds no
-    descriptor for it, even for a moment (tests count descriptors while builds run)."""
-    global _hung
-    timeout = compile_timeout_s()
-    err_path = os.path.join(tmp, "cc.err")
-    actions = [(os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0),
-               (os.POSIX_SPAWN_OPEN, 1, os.devnull, os.O_WRONLY, 0),
-               (os.POSIX_SPAWN_OPEN, 2, err_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)]
-    with _running_lock:
-        if _exiting:
-            return None, "not run: the process is exiting"
-        try:
-            pid = os.posix_spawnp(cmd[0], cmd, env, file_actions=actions, setsid=True)
-        except OSError as e:
-            return 1, f"running {cmd[0]} failed ({e.strerror or e})"
-        _running[pid] = (tmp, time.monotonic())
-    try:
-        rc = _wait_child(pid, time.monotonic() + timeout)
-        if rc is None:
-            _kill(pid)
-            _reap(pid)
-            _hung = (f"{cc} timed out after {timeout:g} s compiling '{name}' ({TIMEOUT_ENV}); "
-                     "the compiler is not run again in this process")
-            return None, _hung
-    finally:
-        with _running_lock:
-            _running.pop(pid, None)
-    try:
-        with open(err_path, "rb") as f:
-            return rc, f.read(64 << 10).decode(errors="replace")
-    except OSError as e:
-        return rc, f"(its messages could not be read: {e.strerror or e})"
-
-
-def _wait_child(pid: int, until: float) -> Optional[int]:
-    """The child's exit code (a signal ``-N``), or None once ``time.monotonic()`` passed
-    ``until``; polled every 10 ms (a compile takes 0.1-0.5 s)."""
-    while True:
-        try:
-            done, status = os.waitpid(pid, os.WNOHANG)
-        except ChildProcessError:  # reaped by someone else (SIGCHLD ignored): loading the library decides
-            return 0
-        if done:
-            return os.waitstatus_to_exitcode(status)
-        if time.monotonic() >= until:
-            return None
-        time.sleep(0.01)
-
-
-def _reap(pid: int) -> None:
-    try:
-        os.waitpid(pid, 0)
-    except ChildProcessError:
-        pass
-
-
-def _kill(pid: int) -> None:
-    """SIGKILL the compiler's session (it leads its own process group), or the compiler alone."""
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except OSError:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except OSError:
-            pass
-
-
-def compiler_busy_s() -> float:
-    """Seconds the compiler run in progress has taken (0 when none runs)."""
-    now = time.monotonic()
-    return max((now - t0 for _, t0 in list(_running.values())), default=0.0)
-
-
-@atexit.register
-def _abort_compiles() -> None:
-    """At exit a compiler still running (a build thread is a daemon) is killed and its files go;
-    none starts after this."""
-    global _exiting
-    with _running_lock:
-        _exiting = True
-        running, dirs = list(_running), list(_build_dirs)
-    for pid in running:
-        _kill(pid)
-    for tmp in dirs:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _wait(done: threading.Event, until: float) -> bool:
-    """Wait for ``done`` until ``until`` (``time.monotonic()``), or until the compiler run in
-    progress has taken :data:`WAIT_S` seconds; True when ``done`` is set."""
-    while not done.is_set():
-        now = time.monotonic()
-        if now >= until or compiler_busy_s() >= WAIT_S:
-            return False
-        done.wait(min(0.05, until - now))
-    return True
+        fn = getattr(lib, name)
+    except AttributeError:
+        return None, f"{name} is not in {extension_path()} (built from older sources: pip install --no-deps -e .)"
+    fn.argtypes, fn.restype = list(argtypes), restype
+    return fn, ""
 
 
 class NativeLoop:
-    """A C loop built in the background on first use, thread-safe, with its state reported.
+    """A C loop bound from the extension on first use, thread-safe, with its state reported.
 
     Args:
-        build: ``() -> (callable or None, why)``: compiles and binds the loop (typically with
-            :func:`compile_shim`); the callable must keep its library referenced. ``why`` is the
-            reason for ``None``, or a note on a loop that was built (e.g. where).
+        build: ``() -> (callable or None, why)``: binds the loop (typically with
+            :func:`entry`). ``why`` is the reason for ``None``, or a note on a loop in use.
         env: environment variable that disables the loop when set to ``"0"`` (with
             ``default_on=False``: that enables it when set to ``"1"``).
         fallback_note: what runs instead, for the log.
@@ -325,103 +166,72 @@ class NativeLoop:
         self.name = name or env
         self.state: dict = {}
         self._outcome: Optional[tuple] = None  # (fn, state, reason) once built
-        self._started_at: Optional[float] = None
-        self._gave_up = False  # a caller stopped waiting: log when it is ready after all
-        self._lock = threading.Lock()
-        self._done = threading.Event()
+        self._lock = threading.RLock()
         if name:
             _REGISTRY[name] = self
 
     def enabled(self) -> tuple[bool, str]:
-        """``(on, why off)`` from the environment variable."""
+        """``(on, why off)`` from :data:`ALL_OFF_ENV` and the loop's environment variable."""
+        if os.environ.get(ALL_OFF_ENV, "1") == "0":
+            return False, f"{ALL_OFF_ENV}=0"
         if self.default_on:
             return os.environ.get(self.env, "1") != "0", f"{self.env}=0"
         return os.environ.get(self.env, "0") == "1", f"{self.env} not 1 (off by default; {self.env}=1 turns it on)"
 
-    def start(self) -> None:
-        """Start the build in a background thread (once); a loop turned off is decided here."""
+    def _built(self) -> tuple:
+        """The outcome ``(fn, state, reason)``, building (binding) the loop on the first call."""
         with self._lock:
-            if self._started_at is not None:
-                return
-            self._started_at = time.monotonic()
-            on, why = self.enabled()
-            if not on:
-                self._finish(None, "off", why)
-                return
-        threading.Thread(target=self._build_now, name=f"fc-native-{self.name}", daemon=True).start()
-
-    def warm_up(self, thread_name: str = "") -> None:
-        """Start building this loop and every registered one (:func:`warm_up_all`) in the
-        background, so that the first round or restore finds them ready. ``thread_name`` is
-        unused (kept for callers)."""
-        self.start()
-        warm_up_all()
-
-    def _build_now(self) -> None:
-        try:
-            fn, why = self.build()
-        except Exception as e:  # noqa: BLE001 - a build that raises is a fallback with its reason
-            fn, why = None, f"building raised {type(e).__name__}: {e}"
-        self._finish(fn, "native" if fn is not None else "fallback", why)
-
-    def _finish(self, fn, state: str, why: str) -> None:
-        self._outcome = (fn, state, why)
-        try:
-            self._log(state, why)
-        finally:
-            # setdefault: a value set meanwhile (a test forcing the fallback) wins
-            self.state.setdefault("fn", fn)
-            self._done.set()
+            if self._outcome is None:
+                on, why = self.enabled()
+                if not on:
+                    fn, state = None, "off"
+                else:
+                    try:
+                        fn, why = self.build()
+                    except Exception as e:  # noqa: BLE001 - a build that raises is a fallback with its reason
+                        fn, why = None, f"building raised {type(e).__name__}: {e}"
+                    state = "native" if fn is not None else "fallback"
+                self._outcome = (fn, state, why)
+                self._log(state, why)
+            return self._outcome
 
     def _log(self, state: str, why: str) -> None:
-        took = time.monotonic() - (self._started_at or time.monotonic())
-        if _exiting:  # a build cut short by the exit: nothing to tell
-            return
         if state == "fallback":
             log.warning("flatcake: C loop '%s' not in use, %s (%s)", self.name, self.fallback_note, why)
         elif state == "off":
             log.info("flatcake: C loop '%s' off, %s (%s)", self.name, self.fallback_note, why)
-        elif self._gave_up:
-            log.info("flatcake: C loop '%s' ready after %.1f s (its fallback ran until now)%s", self.name, took,
-                     f"; {why}" if why else "")
         elif why:
             log.info("flatcake: C loop '%s': %s", self.name, why)
 
+    def start(self) -> None:
+        """Build (bind) the loop now, once (kept for callers: there is nothing to wait for)."""
+        self._built()
+
+    def warm_up(self, thread_name: str = "") -> None:
+        """Build this loop and every registered one (:func:`warm_up_all`); ``thread_name`` is
+        unused (kept for callers)."""
+        self.start()
+        warm_up_all()
+
     def fn(self) -> Optional[Callable]:
-        """The loop, or ``None`` when the fallback runs (now: a build in progress is waited for
-        at most :data:`WAIT_S` seconds, not at all once the compiler run in progress has taken
-        that long). Starts the build on the first call."""
+        """The loop, or ``None`` when the fallback runs; builds it on the first call."""
         if "fn" in self.state:
             return self.state["fn"]
-        self.start()
-        if not _wait(self._done, time.monotonic() + WAIT_S):
-            self._gave_up = True
-            return None
-        return self.state.setdefault("fn", self._outcome[0])
+        return self.state.setdefault("fn", self._built()[0])
 
     def wait_built(self, timeout: Optional[float] = None) -> Optional[Callable]:
-        """Build (if not started) and wait for the outcome, however long the compiler takes
-        (each run is bounded by :func:`compile_timeout_s`), or ``timeout`` seconds; then
-        :meth:`fn`'s answer. For the build of another loop and for checks, not for hot paths."""
-        self.start()
-        self._done.wait(timeout)
-        if "fn" in self.state or not self._done.is_set():
-            return self.state.get("fn")
-        return self.state.setdefault("fn", self._outcome[0])
+        """:meth:`fn` (kept for callers; ``timeout`` is unused: binding never waits)."""
+        return self.fn()
 
     def report(self) -> tuple[str, str]:
-        """``(state, reason)``: one of :data:`STATES`, and why it is not native (or a note)."""
-        out = self._outcome
-        if "fn" in self.state and (out is None or self.state["fn"] is not out[0]):
+        """``(state, reason)``: one of :data:`STATES`, and why it is not native (or a note);
+        builds the loop if it was not yet."""
+        out = self._built()
+        if "fn" in self.state and self.state["fn"] is not out[0]:
             if self.state["fn"] is None:
                 return "fallback", "turned off in this process (its LOOP.state)"
             return "native", "set in this process (its LOOP.state)"
-        if out is not None:
-            return out[1], out[2]
-        if self._started_at is None:
-            return "pending", "not built yet"
-        busy = compiler_busy_s()
-        return "pending", (f"compiling: the compiler has run {busy:.1f} s" if busy else "waiting for the compiler")
+        return out[1], out[2]
 
 
 def loops() -> dict:
@@ -442,28 +252,21 @@ def report() -> dict:
 
 
 def warm_up_all() -> None:
-    """Start building every registered loop in the background (one compiler run at a time)."""
+    """Build (bind) every registered loop now (microseconds each: no compiler runs)."""
     for loop in loops().values():
         loop.start()
 
 
 def wait_all() -> bool:
-    """Wait for every loop's build (started here if needed) at most :data:`WAIT_S` seconds in
-    all, and not at all once the compiler run in progress has taken that long (start-up, before
-    its line); True when every build has ended."""
-    until = time.monotonic() + WAIT_S
-    ok = True
-    for loop in loops().values():
-        loop.start()
-        if not _wait(loop._done, until):
-            loop._gave_up = True
-            ok = False
-    return ok
+    """Build every registered loop now (the start-up, before its line); always True (kept for
+    callers: nothing is waited for)."""
+    warm_up_all()
+    return True
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """``python -m flatcake.native [--json]``: build every C loop now (waiting for the compiler,
-    each run bounded by ``FLATCAKE_CC_TIMEOUT_S``) and print each one's state and reason.
+    """``python -m flatcake.native [--json]``: print each C loop's state and reason, and (text)
+    the extension they come from.
 
     Returns:
         0 when no loop fell back (a loop turned off by its environment variable counts as
@@ -474,12 +277,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     import sys
 
     p = argparse.ArgumentParser(prog="python -m flatcake.native",
-                                description="Build FlatCake's C loops and print each one's state.")
+                                description="Print the state of each of FlatCake's C loops (the extension "
+                                            f"{EXTENSION}, built at install); exit 1 when one fell back.")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.ERROR)
-    for loop in loops().values():
-        loop.wait_built()
     rep = report()
     bad = [n for n, r in rep.items() if r["state"] not in ("native", "off")]
     if args.json:
@@ -491,6 +293,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         counts = {s: sum(r["state"] == s for r in rep.values()) for s in STATES}
         print(", ".join(f"{n} {s}" for s, n in counts.items() if n) + (f" (not native: {', '.join(bad)})" if bad
                                                                          else ""))
+        print(f"extension: {extension_path() or '(not built)'}")
     return 1 if bad else 0
 
 

@@ -11,8 +11,9 @@ round: its checks and one ``fstat``) a ``pwrite`` that writes the pieces in one 
 call, in order, the record last; between two pieces it reads the write queue's count of
 restores in flight (:attr:`~flatcake.write_queue.WriteQueue.readers_now`) and, when one is,
 returns so the caller pauses (``between``) and calls again for the rest. Same bytes, same
-order, same pause points as the Python loop; ``FLATCAKE_NATIVE_WRITE=0`` or no C compiler
-keeps the Python loop (as do tests that inject faults at ``os.pwritev``).
+order, same pause points as the Python loop. The C is ``csrc/write.c``, built into the
+extension at install (:mod:`flatcake.native_loop`); ``FLATCAKE_NATIVE_WRITE=0`` or an
+extension not built keeps the Python loop (as do tests that inject faults at ``os.pwritev``).
 """
 
 from __future__ import annotations
@@ -23,43 +24,13 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-from flatcake.native_loop import NativeLoop, compile_shim
-
-_SHIM = r"""
-#include <stdint.h>
-#include <errno.h>
-#include <unistd.h>
-/* Write n bytes at addr to fd at file offset off, in pieces ending at the file offsets ends[]
-   (ascending); between two pieces stop when *readers > 0. Returns the bytes written (> 0), or
-   -errno when the first write failed (0: it wrote nothing). */
-int64_t fc_write_pieces(int64_t fd, int64_t addr, int64_t off, int64_t n, const int64_t *ends, int64_t nends,
-                        const volatile int64_t *readers) {
-    int64_t done = 0, e = 0;
-    while (done < n) {
-        while (e < nends && ends[e] <= off + done) e++;
-        int64_t stop = (e < nends && ends[e] - off < n) ? ends[e] - off : n;
-        while (done < stop) {
-            ssize_t r = pwrite((int)fd, (const char *)(intptr_t)addr + done, (size_t)(stop - done), (off_t)(off + done));
-            if (r < 0 && errno == EINTR) continue;
-            if (r <= 0) return done ? done : (r < 0 ? -(int64_t)errno : 0);
-            done += r;
-        }
-        if (done < n && *readers > 0) break;  /* a restore is waiting: pause before the next piece */
-    }
-    return done;
-}
-"""
+from flatcake.native_loop import NativeLoop, entry
 
 
 def _build():
-    """The bound ``fc_write_pieces``, or ``(None, why)``."""
-    lib, why = compile_shim(_SHIM, "write")
-    if lib is None:
-        return None, why
-    fn = lib.fc_write_pieces
-    fn.argtypes = [ctypes.c_int64] * 4 + [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
-    fn.restype = ctypes.c_int64
-    return (lambda *a: fn(*a)), why  # the closure keeps the library loaded
+    """The bound ``fc_write_pieces`` (``csrc/write.c``), or ``(None, why)``."""
+    return entry("fc_write_pieces", [ctypes.c_int64] * 4 + [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p],
+                 ctypes.c_int64)
 
 
 #: the C piece loop (``FLATCAKE_NATIVE_WRITE=0`` turns it off)
@@ -67,10 +38,8 @@ LOOP = NativeLoop(_build, "FLATCAKE_NATIVE_WRITE", "write queue: a pwritev per p
 
 
 def warm_up() -> None:
-    """Compile and load the C piece loop, and every other C loop, in the background (called when
-    a store opens its write queue): else the writer thread's first round of each process waits
-    for the compiler (0.25 s here, seconds on a busy machine) while every queued round stays in
-    memory (:func:`flatcake.native_loop.warm_up_all`)."""
+    """Bind the C piece loop, and every other C loop, from the extension (called when a store
+    opens its write queue, so its state is logged then; :func:`flatcake.native_loop.warm_up_all`)."""
     LOOP.warm_up()
 
 

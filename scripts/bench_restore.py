@@ -29,10 +29,10 @@ whole prefix into an SGLang host pool, verifies the bytes, and reports in one ru
                    ``ratio_to_fio`` is the median over the passes of its GB/s over that pass's fio.
 
 The page-wise baselines are the best page-wise reader we could write (issue 23, item 7): the
-whole restore's reads go to ``scripts/native/pagewise_read.c`` in one call (``--io-workers``
+whole restore's reads go to ``csrc/pagewise_read.c`` (in FlatCake's extension) in one call (``--io-workers``
 POSIX threads, one blocking ``pread`` in flight each: queue depth = ``--io-workers``), each
 thread reads into its own bounce slot and copies the page's (or chunk's) regions into the host
-pool (streaming stores where FlatCake's restore uses them); without a C compiler a Python thread
+pool (streaming stores where FlatCake's restore uses them); without the extension a Python thread
 pool does the same (``"pagewise_reader": "python-threads"`` in the JSON, and said in the output).
 Every system's buffers (FlatCake's staging windows, the bounce slots, the sequential buffer,
 HiCacheFile's dummy pages) are allocated and faulted in before the clock starts, with

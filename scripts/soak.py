@@ -27,10 +27,10 @@ writes ``{"seconds", "ops", "gets", "puts", "faults_injected", "restarts", "veri
 "worker_exit_codes", "failures"}``: ``max_bytes_on_disk`` counts pool files (this pool's and
 any other under ``ssd.path``), the bytes the SSD capacity bounds; the pool journal and lock file
 are ``max_metadata_bytes``; ``faults_by_caller`` counts the worker's injected faults by the
-object that made the call (``libfcrestore.so``: the C restore, ``libfcwrite.so``: the C piece
-writer, libpython: ``os``) and ``faults_in_c_loops`` those the C loops saw (each worker waits
-for its C restore and piece writer to be built before it starts; ``native_loops``: the last
-worker's loop states). Exit status 1, with each reason in ``failures``, when a byte read was
+object that made the call (``_native.cpython-*.so``: FlatCake's C loops, where ``pread`` is the
+C restore's and ``pwrite`` the C piece writer's; libpython: ``os``) and ``faults_in_c_loops``
+those the C loops saw (each worker binds its C restore and piece writer before it starts;
+``native_loops``: the last worker's loop states). Exit status 1, with each reason in ``failures``, when a byte read was
 wrong, an exception escaped, nothing was served after a restart, the pool files outgrew the
 capacity, a worker exited badly (the last one, or one before it was killed), or a worker's
 report is missing (the last one's final report included).

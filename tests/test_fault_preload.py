@@ -6,6 +6,7 @@ Each case runs a store in a child process started with the interposer (it cannot
 the test process afterwards); the child prints what it saw as JSON."""
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -14,9 +15,12 @@ from pathlib import Path
 
 import pytest
 
+from flatcake import native_loop
 from flatcake.testing import fault_preload
 
 HERE = Path(__file__).resolve().parent
+#: the calling object the interposer names for FlatCake's C loops: the extension's file
+EXT = os.path.basename(native_loop.extension_path())
 
 CHILD = textwrap.dedent("""
     import json, sys
@@ -93,8 +97,8 @@ def faults_of(out: dict, symbol: str, kind: str) -> dict:
 def test_the_c_restore_sees_injected_eio_and_answers_a_miss_with_nothing_corrupted(out):
     assert out["attached"] and out["native"] == [True, True]  # the shipped paths: the C restore, the C writer
     # the EIO reached the C restore's own pread (not Python's os.pread, which binds pread64)
-    eio = faults_of(out, "pread", "eio")
-    assert set(eio) == {"libfcrestore.so"} and eio["libfcrestore.so"] >= 1
+    eio = faults_of(out, "pread", "eio")  # pread: in the extension, only the C restore calls it
+    assert set(eio) == {EXT} and eio[EXT] >= 1
     assert out["errors"].get("read/EIO", 0) >= 1
     got, right = out["a_under_eio"]
     assert got == [False] * 4 and right == [True] * 4  # misses; the slots kept their sentinels
@@ -109,7 +113,7 @@ def test_the_c_restore_sees_injected_eio_and_answers_a_miss_with_nothing_corrupt
 
 def test_the_write_queues_c_piece_writer_sees_injected_enospc_and_the_round_is_a_miss(out):
     enospc = faults_of(out, "pwrite", "enospc")
-    assert set(enospc) == {"libfcwrite.so"} and enospc["libfcwrite.so"] >= 1  # the C piece loop's pwrite
+    assert set(enospc) == {EXT} and enospc[EXT] >= 1  # the C piece loop's pwrite (the extension's only one)
     assert out["c_put"] == [True] * 4 and out["flushed"]  # queued, then failed after the fact
     assert out["deferred_write_failures"] == 1 and out["errors"].get("deferred write/ENOSPC", 0) == 1
     got, right = out["c_after"]

@@ -9,9 +9,10 @@ layer-major buffer and computes both checksums of each chunk right after copying
 bytes are in cache), calling python-xxhash's own ``XXH3_64bits`` and the compiled device
 checksum loop of :mod:`flatcake.kernels.fcds_native` by address, so the bits are those of
 :func:`~flatcake.cio.pagecopy.chunk_checksums` and
-:func:`~flatcake.kernels.fcds_native.fcds_host_chunks`. Where either loop is not compiled, or the
-layout's token rows are not contiguous bytes, :func:`gather_and_hash` returns ``None`` and the
-caller takes the numpy path.
+:func:`~flatcake.kernels.fcds_native.fcds_host_chunks`. The C is ``csrc/gather.c``, built into
+FlatCake's extension at install (:mod:`flatcake.native_loop`). Where either loop is not in use,
+or the layout's token rows are not contiguous bytes, :func:`gather_and_hash` returns ``None``
+and the caller takes the numpy path.
 """
 
 from __future__ import annotations
@@ -24,33 +25,7 @@ import numpy as np
 from flatcake.cio.native_restore import dst_table
 from flatcake.cio.xxh3_bulk import xxh3_address
 from flatcake.kernels import fcds_native
-from flatcake.native_loop import NativeLoop, compile_shim
-
-_SHIM = r"""
-#include <stdint.h>
-#include <string.h>
-typedef uint64_t (*xxh3_fn)(const void *, size_t);
-typedef void (*fcds_fn)(const uint8_t *, const int64_t *, int64_t, int64_t, uint64_t *);
-void fc_gather_hash(void *xh, void *fh, uint8_t *out, int64_t n, int64_t L, int64_t J, int64_t P,
-                    const int64_t *pages, const int64_t *base, const int64_t *s0, const int64_t *s1,
-                    const int64_t *plane_off, const int64_t *plane_rb, int64_t cb, uint64_t *sums, uint64_t *dev) {
-    xxh3_fn h = (xxh3_fn)xh; fcds_fn f = (fcds_fn)fh; const int64_t zero = 0;
-    for (int64_t l = 0; l < L; l++) {
-        for (int64_t i = 0; i < n; i++) {
-            uint8_t *d = out + (l * n + i) * cb;
-            for (int64_t q = 0; q < J; q++) {
-                int64_t t = l * J + q, rb = plane_rb[q];
-                const uint8_t *s = (const uint8_t *)(intptr_t)(base[t] + pages[i] * s0[t]);
-                uint8_t *dq = d + plane_off[q];
-                if (s1[t] == rb) { memcpy(dq, s, (size_t)(rb * P)); continue; }
-                for (int64_t r = 0; r < P; r++) memcpy(dq + r * rb, s + r * s1[t], (size_t)rb);
-            }
-            sums[l * n + i] = h(d, (size_t)cb);
-            f(d, &zero, 1, cb, &dev[l * n + i]);
-        }
-    }
-}
-"""
+from flatcake.native_loop import NativeLoop, entry
 
 
 def _build():
@@ -62,15 +37,12 @@ def _build():
     xaddr, why = xxh3_address()
     if xaddr is None:
         return None, why
-    lib, why = compile_shim(_SHIM, "gather")
-    if lib is None:
+    fn, why = entry("fc_gather_hash", [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4 + [ctypes.c_void_p] * 6 +
+                    [ctypes.c_int64] + [ctypes.c_void_p] * 2, None)
+    if fn is None:
         return None, why
-    fn = lib.fc_gather_hash
-    fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4 + [ctypes.c_void_p] * 6 + [ctypes.c_int64] + \
-        [ctypes.c_void_p] * 2
-    fn.restype = None
     faddr = ctypes.cast(fc, ctypes.c_void_p).value
-    return (lambda *a: (fc, fn(xaddr, faddr, *a))), why  # the closure keeps both libraries loaded
+    return (lambda *a: fn(xaddr, faddr, *a)), ""
 
 
 #: the C gather (``FLATCAKE_NATIVE_GATHER=0`` turns it off)

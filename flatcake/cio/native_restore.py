@@ -10,16 +10,18 @@ fifth of its speed. Here the plan is one C call that keeps the GIL (~0.1 ms for 
 :mod:`flatcake.cio.native_plan_c`, no numpy pass over the chunks), and then one :mod:`ctypes`
 call (which releases the GIL) reads every piece from ``io_workers`` POSIX threads into the
 window's two staging buffers, verifies each chunk's xxh3-64 and copies its planes into the
-page slots (:mod:`flatcake.cio.native_restore_c`): one GIL hand-off per call.
+page slots (:mod:`flatcake.cio.native_restore_c`): one GIL hand-off per call. The C is
+``csrc/plan.c`` and ``csrc/restore.c``, built into FlatCake's extension at install
+(:mod:`flatcake.native_loop`).
 
 Same guarantees as the Python pipeline: a chunk is copied only if every byte of it was read by
 this call and, when it carries a checksum and ``cio.verify_checksums`` is on, its xxh3-64 (the
 python-xxhash library's own ``XXH3_64bits``) matches; a failed chunk's slots are untouched and
 its tag reported; I/O errors are logged once with their errno. Used for the POSIX engine on
 host staging with host layouts whose token rows are contiguous; anything else (kvikio, CUDA
-staging, reads-only mode, an O_DIRECT refusal at read time, no C compiler,
-``FLATCAKE_NATIVE_RESTORE=0``, a restore while the C loop still compiles) takes the Python
-pipeline; the loop's state is reported (:func:`flatcake.native_loop.report`). Where every
+staging, reads-only mode, an O_DIRECT refusal at read time, an extension not built,
+``FLATCAKE_NATIVE_RESTORE=0``) takes the Python pipeline; the loop's state is reported
+(:func:`flatcake.native_loop.report`). Where every
 chunk's planes are contiguous and aligned in the slots (``layer_first``, ``page_first_direct``), the call reads
 straight into them instead (:mod:`flatcake.cio.native_zero_copy`; ``FLATCAKE_ZERO_COPY=0``:
 this staging path), where a failed chunk's slots hold undefined bytes.
@@ -39,13 +41,12 @@ import numpy as np
 from flatcake.cio.batch import StagingBatch
 from flatcake.align import ALIGN
 from flatcake.cio import engines
-from flatcake.cio.native_plan_c import PLAN_SOURCE
-from flatcake.cio.native_restore_c import SOURCE
+from flatcake.cio.native_plan_c import ARGTYPES as PLAN_ARGTYPES
+from flatcake.cio.native_restore_c import ARGTYPES as RUN_ARGTYPES
 from flatcake.cio.native_zero_copy import ARGTYPES as ZC_ARGTYPES, ZeroCopy
-from flatcake.cio.native_zero_copy_c import ZC_SOURCE
 from flatcake.cio.plan import ChunkBatch, batch_reads, plan_reads
 from flatcake.cio.xxh3_bulk import xxh3_address
-from flatcake.native_loop import NativeLoop, compile_shim, warm_up_all
+from flatcake.native_loop import NativeLoop, entry, warm_up_all
 
 _I64 = ctypes.c_int64
 
@@ -59,28 +60,26 @@ _P = ctypes.c_void_p
 
 
 def _build():
-    """``(fn, "")`` with ``fn(*args)`` the bound ``fc_restore_run`` (xxh3 address first) and
-    ``fn.plan(*args)`` the bound ``fc_restore_plan``, or ``(None, why)``."""
+    """``(fn, "")`` with ``fn(*args)`` the bound ``fc_restore_run`` (xxh3 address first),
+    ``fn.plan(*args)`` the bound ``fc_restore_plan`` and ``fn.zc`` the bound ``fc_zc_run``
+    (``csrc/restore.c``, ``plan.c``, ``zero_copy.c``), or ``(None, why)``."""
     addr, why = xxh3_address()
     if addr is None:
         return None, why
-    lib, why = compile_shim(SOURCE + PLAN_SOURCE + ZC_SOURCE, "restore", (("-O2", "-pthread"), ("-O2",)))
-    if lib is None:
-        return None, why
-    fn, plan = lib.fc_restore_run, lib.fc_restore_plan
-    fn.argtypes = [_P, _I64, _I64, _I64, _I64] + [_P] * 7 + [_I64] + [_P] * 12 + [_I64] * 4 + [_P] * 8 + [_I64] * 2
-    fn.restype = _I64
+    fn, why = entry("fc_restore_run", RUN_ARGTYPES, _I64)
+    plan_c, why_plan = entry("fc_restore_plan", PLAN_ARGTYPES, _I64)
+    zc, why_zc = entry("fc_zc_run", ZC_ARGTYPES, _I64)  # the zero-copy restore (flatcake.cio.native_zero_copy)
+    if fn is None or plan_c is None or zc is None:
+        return None, why or why_plan or why_zc
     # the plan (~0.1 ms for 2,048 chunks) keeps the GIL: giving it up next to a thread burning
     # Python CPU could cost a 5 ms switch interval to get back
-    plan = ctypes.PYFUNCTYPE(_I64, _I64, *[_P] * 4, *[_I64] * 9, *[_P] * 16)(ctypes.cast(plan, _P).value)
+    plan = ctypes.PYFUNCTYPE(_I64, *PLAN_ARGTYPES)(ctypes.cast(plan_c, _P).value)
 
     def run(*a):
         return fn(addr, *a)
 
-    zc = lib.fc_zc_run  # the zero-copy restore (flatcake.cio.native_zero_copy)
-    zc.argtypes, zc.restype = ZC_ARGTYPES, _I64
-    run.plan, run.zc = plan, zc  # the closure and the attributes keep the library loaded
-    return run, why
+    run.plan, run.zc = plan, zc
+    return run, ""
 
 
 #: the C restore (``FLATCAKE_NATIVE_RESTORE=0`` turns it off)
@@ -89,14 +88,14 @@ LOOP = NativeLoop(_build, "FLATCAKE_NATIVE_RESTORE", "FC-CIO restore: Python pip
 
 
 def _build_plan():
-    """The restore's plan (``fc_restore_plan``, compiled in the restore's library), or ``(None, why)``."""
+    """The restore's plan (``fc_restore_plan``, bound with the restore), or ``(None, why)``."""
     run = LOOP.wait_built()
     if run is None:
-        return None, "in the restore's library, which is not in use"
+        return None, "bound with the C restore, which is not in use"
     return run.plan, ""
 
 
-#: the plan's state in :func:`flatcake.native_loop.report` (the same library as :data:`LOOP`;
+#: the plan's state in :func:`flatcake.native_loop.report` (bound with :data:`LOOP`;
 #: :meth:`NativeRestore.plan_arrays` calls it through ``LOOP.fn().plan``)
 PLAN = NativeLoop(_build_plan, "FLATCAKE_NATIVE_RESTORE", "FC-CIO restore plan: Python (with the Python pipeline)",
                   name="plan")
@@ -235,9 +234,7 @@ class NativeRestore:
     def __init__(self, engine, posix):
         self.engine = engine
         self.posix = posix
-        # every C loop compiled in the background from here (start-up); this one waited for
-        # (~0.5 s once per process) at most native_loop.WAIT_S seconds, so that the first
-        # restore finds it ready and a hung compiler never holds the start-up
+        # every C loop bound from the extension here (start-up), so each one's state is logged now
         warm_up_all()
         LOOP.fn()
         #: threads of the last call that ran in Linux's SCHED_IDLE class (``cio.thread_policy``)

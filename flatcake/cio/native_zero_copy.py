@@ -8,10 +8,10 @@ token-strided rows and keeps the staging path) and every plane's destination add
 length, the chunk size and (checked in C) every chunk's file offset are multiples of the
 engine's zero-copy alignment (:attr:`~flatcake.cio.engines.PosixEngine.dio_align`: 4096; 512
 works on a device without a virtual boundary but did not pay, docs/performance.md), one GIL-free
-C call (:mod:`flatcake.cio.native_zero_copy_c`) plans the reads with pieces of whole chunks, reads
-each piece with ``preadv`` whose iovecs are the chunks' plane slots (bridged holes go to a
-scratch buffer) and verifies each chunk's xxh3-64 in place with XXH3's streaming API over its
-planes (python-xxhash's own ``XXH3_64bits_reset/_update/_digest``).
+C call (:mod:`flatcake.cio.native_zero_copy_c`, ``csrc/zero_copy.c``) plans the reads with
+pieces of whole chunks, reads each piece with ``preadv`` whose iovecs are the chunks' plane
+slots (bridged holes go to a scratch buffer) and verifies each chunk's xxh3-64 in place with
+XXH3's streaming API over its planes (python-xxhash's own ``XXH3_64bits_reset/_update/_digest``).
 
 **A failed chunk's slots hold undefined bytes** in this mode (a short read, an I/O error or a
 checksum mismatch is found after the bytes landed): its tag is reported failed exactly as on
@@ -38,15 +38,14 @@ import numpy as np
 from flatcake.align import ALIGN
 from flatcake.cio import engines
 from flatcake.cio.plan import ChunkBatch
+from flatcake.cio.native_zero_copy_c import ARGTYPES  # fc_zc_run's argument types (bound by native_restore)
 from flatcake.native_loop import NativeLoop
 
 log = logging.getLogger(__name__)
-_I64, _P = ctypes.c_int64, ctypes.c_void_p
+_P = ctypes.c_void_p
 #: python-xxhash exports, in the order ``fc_zc_run`` reads them from its ``hfn`` array
 _HASH_SYMBOLS = ("XXH3_createState", "XXH3_freeState", "XXH3_64bits_reset", "XXH3_64bits_update",
                  "XXH3_64bits_digest", "XXH3_64bits")
-#: ``fc_zc_run``'s argument types (see :mod:`flatcake.cio.native_zero_copy_c`)
-ARGTYPES = [_P] + [_I64] * 5 + [_P] * 7 + [_I64] + [_P] + [_I64] * 9 + [_P] * 4 + [_P] * 10
 
 
 def hash_addresses() -> tuple[Optional[np.ndarray], str]:

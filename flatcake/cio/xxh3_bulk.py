@@ -7,13 +7,13 @@ on the development machine, a 1 ms ticker thread overshot by 15-17 ms at p99 whi
 32 KiB or 2 KiB chunks were hashed that way, against ~6 ms while the same bytes were hashed in
 one call (the 2-core machine's scheduling floor at the time; docs/performance.md).
 
-Here the loop runs in C: a 10-line shim (compiled once per process with the system C compiler
-into a temporary directory, loaded through :mod:`ctypes`, the files removed right after) calls
-``XXH3_64bits`` from the *installed* python-xxhash extension (the same library, so the same
-bits as ``xxh3_64_intdigest(seed=0)``), for every chunk, in one ctypes call that releases the
-GIL. Where no C compiler is available, or the xxhash extension does not export
-``XXH3_64bits``, it falls back to the Python loop (same results; logged once at WARNING and
-reported as the ``xxh3`` loop's state, :mod:`flatcake.native_loop`).
+Here the loop runs in C (``csrc/xxh3.c``, built into FlatCake's extension at install and bound
+through :mod:`ctypes`, :mod:`flatcake.native_loop`): it calls ``XXH3_64bits`` from the
+*installed* python-xxhash extension (the same library, so the same bits as
+``xxh3_64_intdigest(seed=0)``), for every chunk, in one ctypes call that releases the GIL.
+Where the extension was not built, or the xxhash extension does not export ``XXH3_64bits``,
+it falls back to the Python loop (same results; logged once at WARNING and reported as the
+``xxh3`` loop's state).
 """
 
 from __future__ import annotations
@@ -24,29 +24,7 @@ import functools
 import numpy as np
 import xxhash
 
-from flatcake.native_loop import NativeLoop, chunk_starts, compile_shim
-
-_SHIM = r"""
-#include <stdint.h>
-#include <stddef.h>
-#include <string.h>
-typedef uint64_t (*xxh3_fn)(const void *, size_t);
-void fc_xxh3_at(void *fn, const uint8_t *base, const int64_t *starts, int64_t n, int64_t len, uint64_t *out) {
-    xxh3_fn f = (xxh3_fn)fn;
-    for (int64_t i = 0; i < n; i++) out[i] = f(base + starts[i], (size_t)len);
-}
-/* hash each chunk and copy it while it is still in cache, only where it matches */
-void fc_xxh3_copy(void *fn, const uint8_t *base, const int64_t *starts, int64_t n, int64_t len,
-                  const uint64_t *want, uint8_t *dst, const int64_t *dst_at, int8_t *state) {
-    xxh3_fn f = (xxh3_fn)fn;
-    for (int64_t i = 0; i < n; i++) {
-        const uint8_t *s = base + starts[i];
-        if (f(s, (size_t)len) != want[i]) { state[i] = -1; continue; }
-        memcpy(dst + dst_at[i], s, (size_t)len);
-        state[i] = 1;
-    }
-}
-"""
+from flatcake.native_loop import NativeLoop, chunk_starts, entry
 
 
 def xxh3_address():
@@ -61,21 +39,19 @@ def xxh3_address():
 
 
 def _build():
-    """The bound C loop (``fc_xxh3_at`` with the address of python-xxhash's ``XXH3_64bits``),
-    or ``(None, why)``."""
+    """The bound C loop (``fc_xxh3_at`` with the address of python-xxhash's ``XXH3_64bits``;
+    ``.copy``: ``fc_xxh3_copy``), or ``(None, why)``."""
     addr, why = xxh3_address()
     if addr is None:
         return None, why
-    lib, why = compile_shim(_SHIM, "xxh3")
-    if lib is None:
-        return None, why
-    fn, cp = lib.fc_xxh3_at, lib.fc_xxh3_copy
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
-    cp.argtypes = fn.argtypes[:5] + [ctypes.c_void_p] * 4
-    fn.restype = cp.restype = None
-    bound = functools.partial(fn, addr)  # the function objects keep their library loaded
+    at = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+    fn, why = entry("fc_xxh3_at", at, None)
+    cp, why2 = entry("fc_xxh3_copy", at[:5] + [ctypes.c_void_p] * 4, None)
+    if fn is None or cp is None:
+        return None, why or why2
+    bound = functools.partial(fn, addr)
     bound.copy = functools.partial(cp, addr)
-    return bound, why
+    return bound, ""
 
 
 #: the C loop (``FLATCAKE_NATIVE_XXH3=0`` turns it off)
@@ -83,14 +59,13 @@ LOOP = NativeLoop(_build, "FLATCAKE_NATIVE_XXH3", "FlatCake checksums: per-chunk
 
 
 def native() -> bool:
-    """Whether the GIL-free C loop is in use (compiles the shim on the first call; thread-safe)."""
+    """Whether the GIL-free C loop is in use (bound on the first call; thread-safe)."""
     return LOOP.fn() is not None
 
 
 def warm_up() -> None:
-    """Compile and load the native loop, and every other C loop, in the background (called at
-    start-up, so the first put or restore does not wait for the compiler; a call that comes
-    first waits at most :data:`flatcake.native_loop.WAIT_S` seconds, then runs the fallback)."""
+    """Bind the native loop, and every other C loop, from the extension (called at start-up, so
+    each loop's state is logged then; :func:`flatcake.native_loop.warm_up_all`)."""
     LOOP.warm_up()
 
 

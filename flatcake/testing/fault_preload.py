@@ -16,7 +16,7 @@ Lifecycle::
                                      a file refusing writes, report() -> [InjectedFault]
 
 A process with the interposer drops ``LD_PRELOAD`` from its environment at load, so what it
-starts (the C compiler of :mod:`flatcake.native_loop`) runs without it.
+starts runs without it.
 """
 
 from __future__ import annotations
@@ -38,8 +38,10 @@ SYMBOLS = ("pread", "pread64", "preadv", "preadv64", "preadv2", "preadv64v2", "p
            "pwritev64", "pwritev2", "pwritev64v2", "posix_fallocate", "posix_fallocate64")
 #: random fault kinds (``FC_FAULT_KINDS``); ``erofs`` comes from :meth:`Interposer.refuse` only
 KINDS = ("eio", "short", "enospc")
-#: calling objects of FlatCake's C loops (``compile_shim`` names them ``libfc{name}.so``)
-C_LOOP_PREFIX = "libfc"
+#: the calling object of FlatCake's C loops: the extension ``flatcake._native``
+#: (``_native.cpython-*.so``, :mod:`flatcake.native_loop`); within it the symbol tells the loop
+#: (``pread``: the C restore, ``preadv``: the zero-copy restore, ``pwrite``: the piece writer)
+C_LOOP_PREFIX = "_native."
 
 
 def build(directory: str | os.PathLike) -> tuple[Optional[str], str]:
@@ -93,8 +95,8 @@ class InjectedFault:
     Attributes:
         symbol: the libc call (``pread``, ``pwrite64``, ...).
         kind: ``eio``, ``short``, ``enospc`` or ``erofs``.
-        caller: file name of the object that called it (``libfcrestore.so``: the C restore;
-            ``libfcwrite.so``: the write queue's piece writer; ``libpython3.11.so.1.0``: ``os``).
+        caller: file name of the object that called it (``_native.cpython-311-x86_64-linux-gnu.so``:
+            FlatCake's C loops, :data:`C_LOOP_PREFIX`; ``libpython3.11.so.1.0``: ``os``).
         count: faults.
     """
 

@@ -1,20 +1,22 @@
-"""The page-wise baselines' reader (``pagewise_read.c`` beside this file), for scripts/bench_restore.py.
+"""The page-wise baselines' reader (``csrc/pagewise_read.c``, in FlatCake's extension), for scripts/bench_restore.py.
 
 A page-wise store restores a prefix with one read per page (or per (page, layer) chunk) slot.
 Issue 23 (item 7) asks that the bench's page-wise baselines be the best such reader anyone
 could write: many reads in flight from native threads, not a Python loop per page. So:
 
-    reader = PagewiseReader(threads)      # compiles pagewise_read.c once (outside the clock)
+    reader = PagewiseReader(threads)      # binds the C reader from FlatCake's extension
     got = reader.read(fd, off, length, dst)               # job i: straight into address dst[i]
     got = reader.read_copy(fd, off, length, bounce, Segments(...))
                                           # job i: into the thread's bounce slot, then its
                                           # segments copied out (K/V regions, token rows)
 
-``reader.kind`` says what runs: ``"c-pthreads"`` (the C source, built with
-:func:`flatcake.native_loop.compile_shim`; ``threads`` POSIX threads, each with one blocking
-``pread`` in flight: queue depth = ``threads``) or ``"python-threads"`` (no C compiler: a
-Python thread pool of the same size doing the same jobs, ``reader.why`` says why). Copies use
-streaming stores where FlatCake's restore does (``FLATCAKE_STREAMING_STORES``, the same knob).
+``reader.kind`` says what runs: ``"c-pthreads"`` (the C source, built into FlatCake's extension
+at install with the loops and bound by :func:`flatcake.native_loop.entry`; ``threads`` POSIX
+threads, each with one blocking ``pread`` in flight: queue depth = ``threads``) or
+``"python-threads"`` (the extension not built: a Python thread pool of the same size doing the
+same jobs, ``reader.why`` says why). Copies use the restore's own row copy (``fc_copy_rows``,
+``csrc/fc_copy.h``): streaming stores where FlatCake's restore uses them
+(``FLATCAKE_STREAMING_STORES``, the same knob).
 """
 
 from __future__ import annotations
@@ -24,15 +26,13 @@ import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Optional
 
 import numpy as np
 
 from flatcake.cio.native_restore import STREAMING_STORES
-from flatcake.native_loop import compile_shim
+from flatcake.native_loop import entry
 
-SOURCE = Path(__file__).with_name("pagewise_read.c")
 _I64, _P = ctypes.c_int64, ctypes.c_void_p
 
 
@@ -56,20 +56,20 @@ def _i64(x) -> np.ndarray:
     return np.ascontiguousarray(x, dtype=np.int64).reshape(-1)
 
 
+class _Lib:
+    """The two bound entry points (``fc_pagewise_read``, ``fc_pagewise_read_copy``)."""
+
+    def __init__(self, read, read_copy):
+        self.fc_pagewise_read, self.fc_pagewise_read_copy = read, read_copy
+
+
 def _build():
     """``(lib, "")`` with both entry points bound, or ``(None, why)``."""
-    try:
-        source = SOURCE.read_text()
-    except OSError as e:
-        return None, f"cannot read {SOURCE} ({e})"
-    lib, why = compile_shim(source, "pagewise", (("-O2", "-pthread"), ("-O2",)))
-    if lib is None:
-        return None, why
-    lib.fc_pagewise_read.argtypes = [_I64] + [_P] * 6 + [_I64]
-    lib.fc_pagewise_read.restype = _I64
-    lib.fc_pagewise_read_copy.argtypes = [_I64] + [_P] * 5 + [_I64] * 3 + [_P] * 6 + [_I64]
-    lib.fc_pagewise_read_copy.restype = _I64
-    return lib, ""
+    read, why = entry("fc_pagewise_read", [_I64] + [_P] * 6 + [_I64], _I64)
+    read_copy, why2 = entry("fc_pagewise_read_copy", [_I64] + [_P] * 5 + [_I64] * 3 + [_P] * 6 + [_I64], _I64)
+    if read is None or read_copy is None:
+        return None, why or why2
+    return _Lib(read, read_copy), ""
 
 
 class PagewiseReader:
@@ -77,8 +77,8 @@ class PagewiseReader:
 
     Args:
         threads: threads, each with one read in flight (the queue depth).
-        native: ``False`` forces the Python thread pool (tests; a machine without a compiler
-            gets it anyway).
+        native: ``False`` forces the Python thread pool (tests; an install without the
+            extension gets it anyway).
 
     Attributes:
         kind: ``"c-pthreads"`` or ``"python-threads"``.

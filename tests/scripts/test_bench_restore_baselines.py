@@ -1,5 +1,5 @@
 """Issue 23, items 6 and 7, in scripts/bench_restore.py at tiny sizes: the page-wise baselines'
-C reader (``scripts/native/pagewise_read.c``) and its Python fallback read exactly the file's
+C reader (``csrc/pagewise_read.c``, in the extension) and its Python fallback read exactly the file's
 bytes and copy exactly the described regions; the regions of a page or chunk in every host
 layout are found right; every restore's JSON carries fio's read limit, each system's ratio to
 it, the reader that ran and the I/O thread count; the sweep's targets are 0.85x fio and 1.0x

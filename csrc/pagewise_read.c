@@ -1,4 +1,5 @@
-/* The page-wise baselines' reader for scripts/bench_restore.py (issue 23, item 7).
+/* The page-wise baselines' reader for scripts/bench_restore.py (issue 23, item 7), built into
+ * FlatCake's extension with the loops (scripts/native/pagewise.py binds it).
  *
  * A page-wise store (one page, or one (page, layer) chunk, per file slot) restores a prefix with
  * one read per slot. Its best implementation keeps many reads in flight and never returns to
@@ -20,7 +21,7 @@
  * `src` (an offset), `dst_stride` bytes apart from the address `dst`. A job's segments are
  * seg_start[i] .. seg_start[i + 1] - 1 and are copied only when the job read all its bytes.
  * With `nt` set, rows that are 16-byte aligned and a multiple of 64 bytes go through SSE2
- * streaming stores on x86-64 (as FlatCake's restore copies into the host pool), else memcpy.
+ * streaming stores on x86-64: fc_copy_rows, the copy FlatCake's restore uses (fc_copy.h).
  *
  * got[i]: bytes read; err[i]: 0, or the errno that stopped the job. The return value is the
  * number of jobs that did not read len[i] bytes (short at end of file, or an error).
@@ -28,12 +29,11 @@
 #define _GNU_SOURCE
 #include <errno.h>
 #include <pthread.h>
-#include <stdint.h>
 #include <string.h>
 #include <unistd.h>
-#if defined(__x86_64__)
-#include <emmintrin.h>
-#endif
+
+#include "fc_common.h"
+#include "fc_copy.h"
 
 #define MAX_THREADS 1024
 
@@ -52,21 +52,6 @@ typedef struct {
     pw_t *p;
     int64_t slot;
 } pw_arg;
-
-static void copy_row(int64_t nt, uint8_t *d, const uint8_t *s, size_t n) {
-#if defined(__x86_64__)
-    if (nt && !((uintptr_t)d & 15) && !(n & 63)) {
-        for (size_t i = 0; i < n; i += 64) {
-            __m128i a = _mm_loadu_si128((const __m128i *)(s + i)), b = _mm_loadu_si128((const __m128i *)(s + i + 16));
-            __m128i c = _mm_loadu_si128((const __m128i *)(s + i + 32)), e = _mm_loadu_si128((const __m128i *)(s + i + 48));
-            _mm_stream_si128((__m128i *)(d + i), a); _mm_stream_si128((__m128i *)(d + i + 16), b);
-            _mm_stream_si128((__m128i *)(d + i + 32), c); _mm_stream_si128((__m128i *)(d + i + 48), e);
-        }
-        return;
-    }
-#endif
-    memcpy(d, s, n);
-}
 
 /* pread until `want` bytes, end of file or an error; returns the bytes read, *err the errno. */
 static int64_t read_full(int fd, uint8_t *buf, int64_t want, int64_t off, int64_t *err) {
@@ -105,15 +90,11 @@ static void *worker(void *arg) {
             const uint8_t *src = slot + p->seg_src[s];
             uint8_t *dst = (uint8_t *)(intptr_t)p->seg_dst[s];
             int64_t rb = p->seg_row_bytes[s], ds = p->seg_dst_stride[s];
-            for (int64_t r = 0; r < p->seg_rows[s]; r++) copy_row(p->nt, dst + r * ds, src + r * rb, (size_t)rb);
+            for (int64_t r = 0; r < p->seg_rows[s]; r++) fc_copy_rows(p->nt, dst + r * ds, src + r * rb, (size_t)rb);
         }
         copied = 1;
     }
-#if defined(__x86_64__)
-    if (copied && p->nt) _mm_sfence();  /* streaming stores visible before the call returns */
-#else
-    (void)copied;
-#endif
+    if (copied) fc_copy_fence(p->nt);  /* streaming stores visible before the call returns */
     return NULL;
 }
 
@@ -140,7 +121,7 @@ static int64_t run(pw_t *p, int64_t nthreads) {
     return bad;
 }
 
-int64_t fc_pagewise_read(int64_t n, const int64_t *fd, const int64_t *off, const int64_t *len, const int64_t *dst,
+FC_API int64_t fc_pagewise_read(int64_t n, const int64_t *fd, const int64_t *off, const int64_t *len, const int64_t *dst,
                          int64_t *got, int64_t *err, int64_t nthreads) {
     pw_t p;
     memset(&p, 0, sizeof p);
@@ -148,7 +129,7 @@ int64_t fc_pagewise_read(int64_t n, const int64_t *fd, const int64_t *off, const
     return run(&p, nthreads);
 }
 
-int64_t fc_pagewise_read_copy(int64_t n, const int64_t *fd, const int64_t *off, const int64_t *len,
+FC_API int64_t fc_pagewise_read_copy(int64_t n, const int64_t *fd, const int64_t *off, const int64_t *len,
                               int64_t *got, int64_t *err, int64_t nthreads, int64_t bounce, int64_t bounce_stride,
                               const int64_t *seg_start, const int64_t *seg_src, const int64_t *seg_dst,
                               const int64_t *seg_rows, const int64_t *seg_row_bytes, const int64_t *seg_dst_stride,
