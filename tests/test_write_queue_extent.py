@@ -27,7 +27,7 @@ def test_a_deferred_round_opening_an_extent_writes_the_extent_header_with_its_fi
     if not native:
         monkeypatch.setitem(native_write.LOOP.state, "fn", None)
     elif native_write.LOOP.fn() is None:
-        pytest.skip("no C compiler")
+        pytest.skip("extension not built")
     store, pool, lay = make_store(ssd_dir, **BACKLOG)
     calls = []
     real = store.ssd.write
@@ -58,7 +58,7 @@ def test_a_deferred_round_opening_an_extent_writes_the_extent_header_with_its_fi
 
 def test_the_c_piece_loop_writes_in_order_and_stops_between_pieces_while_a_restore_reads(tmp_path):
     if native_write.LOOP.fn() is None:
-        pytest.skip("no C compiler")
+        pytest.skip("extension not built")
     data = np.random.default_rng(5).integers(0, 256, size=5 * 4096 + 100, dtype=np.uint8)
     readers = np.ones(1, dtype=np.int64)  # a restore in flight from the start
     pauses = []

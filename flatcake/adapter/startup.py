@@ -10,8 +10,7 @@ i.e. once the page size in bytes is known:
   capacity per medium, the I/O engine and the pool identity (directory, file prefix, and the
   DP rank and slot or ``ssd.pool_id`` it was named by, :mod:`flatcake.adapter.identity`), and
   each C loop's state (:func:`native_summary`, :mod:`flatcake.native_loop`);
-* :func:`native_warning` is the WARNING logged when a C loop fell back (named, with its reason)
-  or still compiles;
+* :func:`native_warning` is the WARNING logged when a C loop fell back (named, with its reason);
 * :func:`default_path_warning` is the WARNING logged when ``ssd.path`` was left to its default;
 * :func:`prefix_keys_warning` is the WARNING logged when SGLang runs with
   ``hicache_storage_pass_prefix_keys`` off (placement then cannot see sessions).
@@ -121,19 +120,14 @@ def native_summary(loops: Mapping) -> str:
 
 
 def native_warning(loops: Mapping) -> Optional[str]:
-    """The WARNING to log when a C loop fell back (each named with its reason) or is still
-    compiling after the start-up's wait, else None; ``loops``: :func:`flatcake.native_loop.report`."""
+    """The WARNING to log when a C loop fell back (each named with its reason), else None;
+    ``loops``: :func:`flatcake.native_loop.report`."""
     fell = [f"{n} ({r['reason']})" for n, r in loops.items() if r["state"] == "fallback"]
-    pending = [f"{n} ({r['reason']})" for n, r in loops.items() if r["state"] == "pending"]
-    parts = []
-    if fell:
-        parts.append("C loops fell back to Python: " + "; ".join(fell) + ". The fallbacks give the same bytes, "
-                     "several times slower (writes at about 0.5 GB/s); python -m flatcake.native checks the "
-                     "build environment")
-    if pending:
-        parts.append("C loops still compiling: " + "; ".join(pending) + ". Their fallbacks run until they are "
-                     "ready (a failure is logged then)")
-    return ("flatcake: " + " | ".join(parts)) if parts else None
+    if not fell:
+        return None
+    return ("flatcake: C loops fell back to Python: " + "; ".join(fell) + ". The fallbacks give the same bytes, "
+            "several times slower (writes at about 0.5 GB/s); python -m flatcake.native shows each loop's state "
+            "(rebuild the extension: pip install --no-deps -e . with a C compiler)")
 
 
 def default_path_warning(ssd_path: str, environ: Optional[Mapping[str, str]] = None) -> Optional[str]:

@@ -10,7 +10,7 @@ from flatcake.cio import native_gather
 from flatcake.cio.pagecopy import chunk_checksums, gather_layers
 from flatcake.kernels.fcds_native import fcds_host_chunks
 
-pytestmark = pytest.mark.skipif(native_gather.LOOP.fn() is None, reason="no C compiler: the numpy path runs")
+pytestmark = pytest.mark.skipif(native_gather.LOOP.fn() is None, reason="extension not built: the numpy path runs")
 
 
 @pytest.mark.parametrize("kind", ["mha", "mla"])

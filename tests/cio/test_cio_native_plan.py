@@ -11,7 +11,7 @@ from flatcake.cio import engines as engines_mod
 from flatcake.cio import native_restore
 from flatcake.cio.plan import ChunkBatch
 
-pytestmark = pytest.mark.skipif(native_restore.LOOP.fn() is None, reason="no C compiler: the Python pipeline runs")
+pytestmark = pytest.mark.skipif(native_restore.LOOP.fn() is None, reason="extension not built: the Python pipeline runs")
 
 KEYS = ("pfile", "poff", "plen", "paddr", "pbatch", "left", "bbase", "own_lo", "rest_lo", "rest_hi", "cb0", "cidx",
         "ck0", "ck1")

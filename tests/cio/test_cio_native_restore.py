@@ -17,7 +17,7 @@ from flatcake.config import CioConfig
 
 N = 16
 
-pytestmark = pytest.mark.skipif(native_restore.LOOP.fn() is None, reason="no C compiler: the Python pipeline runs")
+pytestmark = pytest.mark.skipif(native_restore.LOOP.fn() is None, reason="extension not built: the Python pipeline runs")
 
 
 def engine(d, cb, direct_io=True, **cfg):

@@ -17,7 +17,7 @@ from flatcake.cio.native_zero_copy import ZeroCopy
 from flatcake.cio.plan import ChunkBatch
 from flatcake.config import CioConfig
 
-needs_c = pytest.mark.skipif(native_restore.LOOP.fn() is None, reason="no C compiler: the Python pipeline runs")
+needs_c = pytest.mark.skipif(native_restore.LOOP.fn() is None, reason="extension not built: the Python pipeline runs")
 
 
 @pytest.mark.parametrize("kind", ["mha", "mla"])

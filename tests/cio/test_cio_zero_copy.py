@@ -19,7 +19,7 @@ from flatcake.layout import KvPageLayout
 from flatcake.media.directio import dio_alignment
 
 ZC_FN = native_zero_copy.LOOP.build()[0]  # built here: the mode is off unless FLATCAKE_ZERO_COPY=1
-pytestmark = pytest.mark.skipif(ZC_FN is None, reason="no C compiler or streaming XXH3")
+pytestmark = pytest.mark.skipif(ZC_FN is None, reason="extension not built, or no streaming XXH3")
 
 
 @pytest.fixture(autouse=True)

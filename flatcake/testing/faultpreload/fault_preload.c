@@ -19,11 +19,11 @@
  *
  * Lifecycle: the constructor reads the configuration from the environment, resolves the real
  * functions (dlsym RTLD_NEXT) and removes LD_PRELOAD from the environment, so processes this one
- * starts (the C compiler the native loops run) are not interposed. Faults are injected only while
+ * starts are not interposed. Faults are injected only while
  * armed, only on descriptors whose path (/proc/self/fd) starts with FC_FAULT_PATH and ends with
  * FC_FAULT_SUFFIX; each injected fault is counted by (symbol, kind, calling object) — the calling
- * object (dladdr of the return address) shows which loop saw it (libfcrestore.so, libfcwrite.so,
- * libpython...).
+ * object (dladdr of the return address) shows what saw it (FlatCake's extension _native.*.so, whose
+ * pread only the restore and pwrite only the piece writer call; libpython...).
  *
  * Environment (read once, at load):
  *   FC_FAULT_ARMED=1      inject from the start (default: armed later with fc_fault_arm)
