@@ -5,8 +5,10 @@ cached tokens came from (docs/serve-bench.md).
 
     python scripts/serve_bench.py [--quick] [--json FILE] [--out DIR] [--systems a,b] [--rates 2,4]
 
-Systems (``flatcake/testing/serve_systems.py``): ``flatcake`` (through ``flatcake-sglang``),
-``file`` (SGLang's HiCacheFile), ``mooncake`` (SGLang's Mooncake backend on the CPU wheel, in a
+Systems (``flatcake/testing/serve_systems.py``): ``flatcake`` (through ``flatcake-sglang``: its
+DRAM is the host tier, SGLang's host pool a buffer), ``flatcake-hostcache`` (the same launcher with
+SGLang's host tier kept and FlatCake on SSD only, the memory ``file`` has; full mode and
+``--systems`` only), ``file`` (SGLang's HiCacheFile), ``mooncake`` (SGLang's Mooncake backend on the CPU wheel, in a
 network namespace), ``peercache`` (PyPI's PeerCache, TCP transport) and ``none`` (HiCache without
 L3); one that cannot run here is skipped with the reason (``"skipped"`` in the JSON). Traces: the
 WEKA Claude Code sessions and the Mooncake conversation trace, one page per hash id
@@ -44,7 +46,7 @@ import requests  # noqa: E402
 from flatcake.media.directio import drop_page_cache  # noqa: E402
 from flatcake.replay import mooncake as mc  # noqa: E402
 from flatcake.testing.serve_client import Answer, replay, stream_generate  # noqa: E402
-from flatcake.testing.serve_systems import NETNS_ENV, SYSTEMS, Sizes, System, storage_files, unavailable  # noqa: E402
+from flatcake.testing.serve_systems import FLATCAKE_SYSTEMS, NETNS_ENV, SYSTEMS, Sizes, System, storage_files, unavailable  # noqa: E402
 from flatcake.testing.serve_workload import (build_prompts, mooncake_slice, schedule, unique_pages,  # noqa: E402
                                              weka_slice)
 from flatcake.testing.server import START_TIMEOUT_S, CpuServer, ServerError, metric_total  # noqa: E402
@@ -70,6 +72,9 @@ MODES: Dict[str, Dict[str, Any]] = {
     "full": {"traces": ["weka", "mooncake"], "rates": [2.0, 3.0, 4.0], "runs": 3, "weka": (12, 512),
              "mooncake": (24, 6, 100)},
 }
+#: --quick's systems: every one but ``flatcake-hostcache`` (FlatCake behind SGLang's host tier), to
+#: stay under 10 minutes; the full mode and ``--systems`` run it
+QUICK_SYSTEMS = tuple(s for s in SYSTEMS if s != "flatcake-hostcache")
 #: compression of the gaps between a conversation's turns (WEKA: a median 13 s; Mooncake prefix
 #: groups: a median 123 s); a turn still waits for the previous answer
 THINK = {"weka": 0.005, "mooncake": 0.01}
@@ -128,7 +133,7 @@ def quiesce(server: CpuServer, system: System, timeout_s: float = 90.0) -> float
         return 0.0
     last = -1
     while time.monotonic() - t0 < timeout_s:
-        if system.name == "flatcake" and metric_total(server.metrics(), "flatcake_write_backlog_bytes") > 0:
+        if system.name in FLATCAKE_SYSTEMS and metric_total(server.metrics(), "flatcake_write_backlog_bytes") > 0:
             time.sleep(0.5)
             continue
         size = 0
@@ -477,7 +482,7 @@ def parse_args(argv):
     ap.add_argument("--quick", action="store_true", help="WEKA only, two rates, one run per point (< 10 min)")
     ap.add_argument("--json", help="also write the results JSON here")
     ap.add_argument("--out", help="output directory (default runs/serve-bench or runs/serve-bench-quick)")
-    ap.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma list (default {','.join(SYSTEMS)})")
+    ap.add_argument("--systems", help=f"comma list (default: full {','.join(SYSTEMS)}; --quick {','.join(QUICK_SYSTEMS)})")
     ap.add_argument("--traces", help="comma list of weka, mooncake (default: the mode's)")
     ap.add_argument("--rates", help="comma list of request rates, req/s (default: the mode's)")
     ap.add_argument("--runs", type=int, help="runs per point (default: quick 1, full 3)")
@@ -509,7 +514,7 @@ def in_namespace(argv: List[str]) -> int:
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
-    systems = [s for s in args.systems.split(",") if s]
+    systems = [s for s in (args.systems or ",".join(QUICK_SYSTEMS if args.quick else SYSTEMS)).split(",") if s]
     bad = [s for s in systems if s not in SYSTEMS]
     if bad:
         print(f"unknown system(s) {bad}; known: {', '.join(SYSTEMS)}", file=sys.stderr)

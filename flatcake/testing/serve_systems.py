@@ -5,6 +5,10 @@ a system has them — the same DRAM and SSD capacities.
 * ``flatcake``: FlatCake through ``flatcake-sglang`` (``--hicache-storage-backend flatcake``:
   ``buffer_only`` host memory, the FC-MAS plugin); DRAM = the host pool's bytes (FlatCake's DRAM
   replaces SGLang's host cache, README), SSD = the SSD capacity in ``ssd_file_bytes`` files;
+* ``flatcake-hostcache``: FlatCake through ``flatcake-sglang`` with SGLang's host tier kept
+  (``--hicache-host-memory-mode cache``, as every other system has it) and no DRAM of its own
+  (``dram.capacity_bytes`` 0: every page on SSD): the same memory as ``file``, FlatCake as the
+  SSD tier behind SGLang's host cache;
 * ``file``: SGLang's ``HiCacheFile`` (``--hicache-storage-backend file``), ``file_storage_path``,
   ``max_size`` = the SSD capacity (SGLang's LRU file evictor);
 * ``mooncake``: SGLang's own ``MooncakeStore`` (``--hicache-storage-backend mooncake``) on the CPU
@@ -35,7 +39,9 @@ from typing import Any, Dict, List, Optional
 from flatcake.replay import mooncake as mc
 from flatcake.testing.server import FLATCAKE_DYNAMIC, ServerSpec, free_port
 
-SYSTEMS = ("flatcake", "file", "mooncake", "peercache", "none")
+SYSTEMS = ("flatcake", "flatcake-hostcache", "file", "mooncake", "peercache", "none")
+#: the systems that are FlatCake (through ``flatcake-sglang``)
+FLATCAKE_SYSTEMS = ("flatcake", "flatcake-hostcache")
 #: the PyPI package of the ``peercache`` system (its TCP transport runs on a CPU)
 PEERCACHE_PIN = "peercache==0.8.4"
 #: set inside the network namespace ``serve_bench.py`` re-executes itself in
@@ -119,12 +125,14 @@ class System:
         threshold = {"prefetch_threshold": s.prefetch_threshold}
         if self.name == "none":
             return ServerSpec(**common)
-        if self.name == "flatcake":
+        if self.name in FLATCAKE_SYSTEMS:
             files = max(2, -(-s.ssd_bytes // s.ssd_file_bytes))
             cfg = dict(FLATCAKE_DYNAMIC, **threshold)
+            host_cache = self.name == "flatcake-hostcache"
             cfg.update({"ssd.path": str(self.storage_dir), "ssd.file_bytes": s.ssd_file_bytes,
-                        "ssd.max_files": files, "dram.capacity_bytes": s.host_bytes})
-            return ServerSpec(storage=cfg, launcher=True, **common)
+                        "ssd.max_files": files, "dram.capacity_bytes": 0 if host_cache else s.host_bytes})
+            extra = ["--hicache-host-memory-mode", "cache"] if host_cache else []
+            return ServerSpec(storage=cfg, launcher=True, extra_args=extra, **common)
         backend, extra, env = self._backend_args()
         extra.update(threshold)
         return ServerSpec(extra_args=["--hicache-storage-backend", backend,
@@ -174,4 +182,4 @@ def storage_files(root: Path) -> List[Path]:
     return [Path(d) / f for d, _, files in os.walk(root) for f in files]
 
 
-__all__ = ["NETNS_ENV", "PEERCACHE_PIN", "SYSTEMS", "Sizes", "System", "storage_files", "unavailable"]
+__all__ = ["FLATCAKE_SYSTEMS", "NETNS_ENV", "PEERCACHE_PIN", "SYSTEMS", "Sizes", "System", "storage_files", "unavailable"]
