@@ -2,13 +2,14 @@
 DRAM or SSD (FC-GVA), reads SSD pages with coalesced direct I/O (FC-CIO) and schedules
 restores by medium (FC-MAS). See ``docs/design.md``.
 
-``flatcake.FlatCakeStorage`` is the SGLang ``HiCacheStorage`` subclass (imported lazily so the
-core can be used without SGLang installed).
+``flatcake.FlatCakeStorage`` is the SGLang ``HiCacheStorage`` subclass and
+``flatcake.FlatCakeLinker`` the direct L3 ``UnifiedCacheLinker`` (``docs/linker.md``); both are
+imported lazily so the core can be used without SGLang installed.
 """
 
 __version__ = "0.1.0"
 
-__all__ = ["FlatCakeStorage", "__version__"]
+__all__ = ["FlatCakeLinker", "FlatCakeStorage", "__version__"]
 
 
 def __getattr__(name):
@@ -16,4 +17,8 @@ def __getattr__(name):
         from flatcake.adapter.storage import FlatCakeStorage
 
         return FlatCakeStorage
+    if name == "FlatCakeLinker":
+        from flatcake.linker import FlatCakeLinker
+
+        return FlatCakeLinker
     raise AttributeError(name)

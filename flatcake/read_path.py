@@ -16,7 +16,7 @@ Lifecycle of one read (no lock held)::
 from __future__ import annotations
 
 from bisect import bisect_left
-from typing import Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 import torch
@@ -62,16 +62,23 @@ class ReadPath:
         #: the SSD write queue (:class:`~flatcake.write_queue.WriteQueue`) or None: SSD restores
         #: are marked in flight on it (writes wait for the gap) and its pages are read from memory
         self.queue = None
+        #: the FC-CIO engine for layouts on a GPU (HBM staging; :meth:`flatcake.store.PageStore.attach_device_restore`)
+        #: or None: every restore goes through ``cio``
+        self.device_cio = None
 
     def read(self, keys: Sequence[str], entries: Sequence[PageEntry], layout: KvPageLayout,
-             page_ids: Sequence[int]) -> int:
+             page_ids: Sequence[int], layers: Optional[Sequence[int]] = None) -> int:
         """Deliver page ``entries[i]`` (the page of ``keys[i]``) into page ``page_ids[i]`` of ``layout``.
 
         Args:
             keys: the pages' keys (DRAM pages are checked against their slot's identity).
             entries: index entries whose scopes the caller pinned.
-            layout: destination (host pool or flat pages).
+            layout: destination (host pool, flat pages or device KV).
             page_ids: int page ids in ``layout`` (a list or an int64 tensor), at least as many as entries.
+            layers: ascending layer indices to deliver (default: every layer). The direct linker
+                (:mod:`flatcake.linker`) reads a pinned run layer group by layer group so the
+                forward can start on layer 0 while later layers load; hit pages and logical bytes
+                are counted once per page (with the group holding layer 0), the SSD bytes per read.
 
         Returns:
             ``n``: pages ``0..n-1`` were delivered intact; page ``n`` (if any) failed (short
@@ -85,32 +92,34 @@ class ReadPath:
         """
         g = self.geometry
         n = len(entries)
+        layers = range(g.layers) if layers is None else layers
         dram_pos, ssd_pos, queued_pos = split_media([e.gva for e in entries])
         good = n
         if ssd_pos:
             if self.queue is not None:  # writes not yet issued wait for the gap after it
                 self.queue.reads_begin()  # (queue.reading() without the context-manager frames)
                 try:
-                    good = min(good, self._read_ssd(entries, ssd_pos, layout, page_ids))
+                    good = min(good, self._read_ssd(entries, ssd_pos, layout, page_ids, layers))
                 finally:
                     self.queue.reads_end()
             else:
-                good = min(good, self._read_ssd(entries, ssd_pos, layout, page_ids))
+                good = min(good, self._read_ssd(entries, ssd_pos, layout, page_ids, layers))
         if queued_pos:
-            self._copy_queued(entries, [i for i in queued_pos if i < good], layout, page_ids)
+            self._copy_queued(entries, [i for i in queued_pos if i < good], layout, page_ids, layers)
         pos = [i for i in dram_pos if i < good]
         if pos:
             good = min(good, self._check_dram(keys, entries, pos))
             pos = [i for i in pos if i < good]
         if pos:
-            self._copy_dram(entries, pos, layout, page_ids)
-        ssd_hits = bisect_left(ssd_pos, good)  # positions ascend
-        self.stats.add(hit_pages_dram=len(pos), hit_pages_ssd=ssd_hits,
-                       logical_read_bytes_ssd=ssd_hits * g.page_bytes,
-                       queued_hit_pages=bisect_left(queued_pos, good))
+            self._copy_dram(entries, pos, layout, page_ids, layers)
+        if len(layers) and layers[0] == 0:  # once per page when read layer group by layer group
+            ssd_hits = bisect_left(ssd_pos, good)  # positions ascend
+            self.stats.add(hit_pages_dram=len(pos), hit_pages_ssd=ssd_hits,
+                           logical_read_bytes_ssd=ssd_hits * g.page_bytes,
+                           queued_hit_pages=bisect_left(queued_pos, good))
         return good
 
-    def _copy_queued(self, entries, pos: list[int], layout: KvPageLayout, page_ids) -> None:
+    def _copy_queued(self, entries, pos: list[int], layout: KvPageLayout, page_ids, layers: Sequence[int]) -> None:
         """Copy pages still in the write queue (:class:`~flatcake.write_queue.QueuedPage`) from
         their round's in-memory copy into the layout, round by round, layer by layer."""
         by_job: dict = {}
@@ -119,7 +128,7 @@ class ReadPath:
         for idx in by_job.values():
             job = entries[idx[0]].job
             dst = torch.tensor([int(page_ids[i]) for i in idx], dtype=torch.long)
-            for layer in range(self.geometry.layers):
+            for layer in layers:
                 rows = job.chunks(layer, [entries[i].pos for i in idx])
                 if rows.device != layout.device:
                     rows = rows.to(layout.device)
@@ -138,7 +147,7 @@ class ReadPath:
                            f"{keys[bad][:32]}")
         return bad
 
-    def _copy_dram(self, entries, pos: list[int], layout: KvPageLayout, page_ids) -> None:
+    def _copy_dram(self, entries, pos: list[int], layout: KvPageLayout, page_ids, layers: Sequence[int]) -> None:
         """Copy DRAM pages ``entries[pos]`` (slot rows ``[layers, chunk_bytes]``) into the layout."""
         g = self.geometry
         slots = torch.tensor([self._slot(entries[i]) for i in pos], dtype=torch.long)
@@ -146,10 +155,11 @@ class ReadPath:
         rows = self.dram.slots[slots].view(len(pos), g.layers, g.chunk_bytes)
         if rows.device != layout.device:
             rows = rows.to(layout.device, non_blocking=True)
-        for layer in range(g.layers):
+        for layer in layers:
             scatter_pages(layout, rows[:, layer], dst, layer)
 
-    def chunk_batch(self, entries: Sequence[PageEntry], ssd_pos: Sequence[int], page_ids) -> ChunkBatch:
+    def chunk_batch(self, entries: Sequence[PageEntry], ssd_pos: Sequence[int], page_ids,
+                    layers: Optional[Sequence[int]] = None) -> ChunkBatch:
         """The restore's :class:`ChunkBatch` for SSD pages ``entries[ssd_pos]``, built with numpy,
         layer-major (all pages of layer 0, then layer 1, ...): chunk (page ``i``, layer ``l``) is
         at byte ``offset_i + l * layer_stride_i`` of file ``file_i``, tag ``i`` (position in
@@ -158,9 +168,12 @@ class ReadPath:
         page was rebuilt at start-up. No per-chunk objects; per page only attribute reads (one
         list per field), the rest whole-array numpy (issue 11: ~128 pages a call at 1-token
         pages). ``ssd_pos``: ascending positions, ``range(len(entries))`` when all are SSD;
-        ``page_ids``: as :meth:`read`."""
+        ``page_ids``, ``layers``: as :meth:`read` (only those layers' chunks, in that order)."""
         g = self.geometry
         m, L = len(ssd_pos), g.layers
+        some = layers is not None and list(layers) != list(range(L))
+        lay_ids = np.asarray(list(layers), dtype=np.int64) if some else np.arange(L, dtype=np.int64)
+        nl = int(lay_ids.shape[0])
         whole = isinstance(ssd_pos, range) and ssd_pos == range(len(entries))
         es = entries if whole else [entries[i] for i in ssd_pos]
         if isinstance(page_ids, torch.Tensor):
@@ -170,13 +183,15 @@ class ReadPath:
         # per page: byte offset in the pool, layer stride, destination page, tag; [4, m]
         cols = np.array([[e.gva & OFFSET_MASK for e in es], [e.layer_stride for e in es], dst, list(ssd_pos)],
                         dtype=np.int64).reshape(4, m)
-        x = np.empty((5, L, m), dtype=np.int64)  # file, offset, page, layer, tag: [L, m] each, layer-major
+        x = np.empty((5, nl, m), dtype=np.int64)  # file, offset, page, layer, tag: [nl, m] each, layer-major
         x[0], x[1] = np.divmod(cols[0], self.file_bytes)
-        lay = np.arange(L, dtype=np.int64)[:, None]
+        lay = lay_ids[:, None]
         x[1] += lay * cols[1]
         x[2], x[3], x[4] = cols[2], lay, cols[3]
         sums, has = self._checksums(es, L)
-        x = x.reshape(5, L * m)
+        if some:
+            sums, has = sums[:, lay_ids], has[:, lay_ids]
+        x = x.reshape(5, nl * m)
         return ChunkBatch(x[0], x[1], x[2], x[3], x[4], g.chunk_bytes, checksum=sums[0].reshape(-1),
                           has_checksum=has[0].reshape(-1), devsum=sums[1].reshape(-1), has_devsum=has[1].reshape(-1))
 
@@ -214,14 +229,16 @@ class ReadPath:
                 has[1, :, j] = True
         return sums, has
 
-    def _read_ssd(self, entries, ssd_pos: Sequence[int], layout: KvPageLayout, page_ids) -> int:
+    def _read_ssd(self, entries, ssd_pos: Sequence[int], layout: KvPageLayout, page_ids,
+                  layers: Optional[Sequence[int]] = None) -> int:
         """Restore SSD pages; returns the first position (in ``entries``) that failed, or len.
 
         A page whose pool file was reset (removed or truncated behind the backend) after it was
         written fails even when its bytes were read: after the check below, nothing read before
         it can come from a file recreated since (the read would have found the new generation)."""
-        batch = self.chunk_batch(entries, ssd_pos, page_ids)
-        rep = self.cio.restore(batch, layout)
+        batch = self.chunk_batch(entries, ssd_pos, page_ids, layers)
+        cio = self.device_cio if self.device_cio is not None and layout.device.type != "cpu" else self.cio
+        rep = cio.restore(batch, layout)
         self.stats.add(ssd_read_bytes=rep.bytes_read, ssd_over_read_bytes=rep.bytes_over_read,
                        ssd_read_ops=rep.io_requests, ssd_restores=1, merged_reads=rep.merged_reads,
                        ssd_read_s=rep.read_s)
@@ -248,6 +265,8 @@ class ReadPath:
         """Close the restore engine's cached handles of ``file_index`` (it was removed,
         truncated or replaced; the next read reopens it by path)."""
         self.cio.forget_file(file_index)
+        if self.device_cio is not None:
+            self.device_cio.forget_file(file_index)
 
 
 def split_media(gvas: Sequence[int]) -> tuple[list[int], Sequence[int], list[int]]:

@@ -30,7 +30,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from flatcake import native_write
 from flatcake.backup import Backup, count_keys
@@ -139,7 +139,7 @@ class PageStore:
         self.backlog_budget = backlog_budget  # the rank's write-backlog bound (None: this store's own)
         self.stats = StoreStats()
         self.errors = ErrorLog(log)
-        self.dram = self.ssd = self.cio = self._journal = self.mirror = self.queue = None
+        self.dram = self.ssd = self.cio = self._journal = self.mirror = self.queue = self._device_cio = None
         self._opened_s = time.monotonic()
         self.rebuilt = RebuildReport()
         self._gate = OperationGate()
@@ -317,6 +317,82 @@ class PageStore:
                 self.queue.release(entries)
             if unreadable is not None:
                 self._drop_unreadable(unreadable)
+
+    def get_layer_wise(self, keys: Sequence[str], layout: KvPageLayout, page_ids: Sequence[int],
+                       layer_groups: Sequence[Sequence[int]], on_group: Callable[[Sequence[int], int], None]) -> int:
+        """Read pages ``keys[i]`` into page ``page_ids[i]`` of ``layout`` one layer group at a time
+        (the direct linker's layer-wise restore, :mod:`flatcake.linker`; paper §3.3: layer ``l+1``
+        is read while layer ``l`` is used).
+
+        The leading run of ``keys`` is pinned once; each group (ascending layer indices, the groups
+        in order) is one :meth:`~flatcake.read_path.ReadPath.read` of those layers (FC-CIO:
+        sorted, merged reads into the staging window, then the scatter); after each group
+        ``on_group(group, good)`` is called with ``good`` the pages delivered intact in every
+        group so far. A group stops the read when ``good < len(keys)`` (a miss or a failed page);
+        a failed page's scope is dropped as :meth:`get` drops it.
+
+        Args:
+            keys: page keys.
+            layout: destination (device KV or host pages) with this store's geometry.
+            page_ids: int page ids in ``layout``, one per key.
+            layer_groups: the layer groups, each a non-empty ascending sequence of layer indices.
+            on_group: called on this thread after each group; must not call back into this store.
+
+        Returns:
+            ``good``: pages delivered intact in every layer read (``len(keys)`` when all landed);
+            0 once closed. Never raises (an exception of ``on_group`` is logged and reads as 0).
+        """
+        if not self._gate.enter():
+            return 0
+        entries: list = []
+        unreadable = None
+        good = 0
+        try:
+            self._sync()
+            keys = list(keys)
+            entries = (self.queue.pin_leading_run(keys, self.index) if self.queue is not None
+                       else self.scopes.pin_leading_run(keys))
+            good = len(entries)
+            for group in layer_groups:
+                if good < len(keys):
+                    break
+                got = self.reader.read(keys, entries, layout, page_ids, group) if entries else 0
+                if got < good:
+                    good = got
+                    self.stats.add(get_failures=1)
+                    unreadable = entries[got]
+                on_group(group, good)
+            return good
+        except Exception as e:
+            self.errors("get", e)
+            return 0
+        finally:
+            self.scopes.unpin(entries)
+            if self.queue is not None:
+                self.queue.release(entries)
+            if unreadable is not None:
+                self._drop_unreadable(unreadable)
+            self._gate.exit()
+
+    def attach_device_restore(self, device) -> None:
+        """Give the read path an FC-CIO engine staging on ``device`` (``"cuda:N"``: HBM windows,
+        the Triton scatter, device checksums) for reads into layouts on that device (the direct
+        linker's device pools, :mod:`flatcake.linker`); reads into host layouts keep the host
+        engine. Once per store (a later call is a no-op, as is a CPU ``device``); the engine is
+        released with the store.
+
+        Raises:
+            ValueError: ``cio.staging_bytes`` too small for one chunk.
+            RuntimeError: the device's staging cannot be allocated.
+        """
+        if str(device).startswith("cpu") or self._device_cio is not None:
+            return
+        from flatcake.cio.restore import RestoreEngine
+
+        self._device_cio = RestoreEngine(self.cfg.cio.model_copy(update={"verify_checksums": True}), self.ssd.path_of,
+                                         direct_io=self.ssd.direct_io, chunk_bytes=self.geometry.chunk_bytes,
+                                         device=str(device), errors=self.errors)
+        self.reader.device_cio = self._device_cio
 
     def _drop_unreadable(self, entry) -> None:
         """``entry``'s page could not be read intact (file truncated or removed behind the
@@ -519,7 +595,7 @@ class PageStore:
 
     def _release_resources(self) -> None:
         """Close every part that was opened (also after a failed start-up)."""
-        for part in (self.cio, self.ssd, self.dram, self._journal, self.mirror):
+        for part in (self.cio, self._device_cio, self.ssd, self.dram, self._journal, self.mirror):
             if part is None:
                 continue
             try:

@@ -21,6 +21,11 @@ Checks, each a section of ``gpu_results.json``:
                         kernel: the check ran, no D2H copy beyond one mask byte per chunk,
                         bit-exact, timing with/without verification (scripts/gpu_check_verify.py;
                         skipped with the reason without a GPU).
+8. ``linker``           the direct linker's load path (``FlatCakeLinker``: device pool mapped by
+                        ``device_kv_of``, ``PageStore.get_layer_wise`` one layer at a time) into
+                        CUDA tensors standing in for SGLang's MHA and MLA device pools: bit-exact
+                        per layout, time to layer 0 usable vs the whole restore
+                        (scripts/linker_restore.py; CPU tensors in the dry run).
 
 Writes ``gpu_results.json`` and ``gpu_results.md`` (a markdown table) to ``--out``, else ``$OUT``,
 else ``runs/gpu/``.
@@ -55,6 +60,7 @@ from flatcake.kernels.scatter import scatter_chunks  # noqa: E402
 from flatcake.layout import KvPageLayout  # noqa: E402
 from flatcake.media.directio import drop_page_cache  # noqa: E402
 from gpu_check_verify import device_verify_check, markdown_row  # noqa: E402
+from linker_restore import LINKER_IMPORT, measure as linker_measure  # noqa: E402
 
 GB = 1e9
 
@@ -366,6 +372,20 @@ def kernel_throughput(device: str, dry: bool) -> dict:
 
 
 # ----------------------------------------------------------------------------- report
+def linker_check(device: str, workdir: str, dry: bool) -> dict:
+    """Section 8: the linker's layer-wise load into stand-in device pools, per layout (MHA, MLA).
+    GPU: 64 pages of 64 tokens, 32 layers, 8 KV heads x 128 (MHA: 8 MiB a page; MLA: 576-wide
+    latent); dry run: 8 pages of 16 tokens, 4 layers."""
+    shape = (dict(pages=8, page_size=16, layers=4, heads=2, head_dim=16) if dry
+             else dict(pages=64, page_size=64, layers=32, heads=8, head_dim=128))
+    out = {"import": LINKER_IMPORT}
+    for kind in ("mha", "mla"):
+        dims = dict(shape, head_dim=shape["head_dim"] if kind == "mha" else (24 if dry else 576))
+        out[kind] = linker_measure(kind, workdir, device=device, **dims).as_dict()
+    out["ok"] = all(out[k]["bit_exact"] for k in ("mha", "mla"))
+    return out
+
+
 def markdown(res: dict) -> str:
     lines = [f"# FC-CIO GPU check ({res['mode']}, {res['date']})", "", "| check | result |", "|---|---|"]
     e = res["env"]
@@ -392,6 +412,15 @@ def markdown(res: dict) -> str:
     lines.append(f"| scatter throughput ({k['bytes_per_call'] / 2**20:.0f} MiB/call) | triton {k['triton_gb_per_s']:.1f} GB/s, "
                  f"torch {k['torch_gb_per_s']:.1f} GB/s, index_copy_ {k['index_copy__gb_per_s']:.1f} GB/s |")
     lines.append(markdown_row(res["device_verify"]))
+    lk = res.get("linker", {})
+    for kind in ("mha", "mla"):
+        r = lk.get(kind)
+        if r is None:
+            lines.append(f"| linker load ({kind}) | error: {lk.get('error')} |")
+            continue
+        lines.append(f"| linker load ({kind}, {r['pages']} pages x {r['layers']} layers, {r['bytes'] / 2**20:.1f} MiB) | "
+                     f"bit-exact {r['bit_exact']}, layer 0 usable {r['t_layer0_s'] * 1e3:.2f} ms of "
+                     f"{r['t_total_s'] * 1e3:.2f} ms ({r['layer0_fraction']:.2f}), {r['gb_per_s']:.2f} GB/s |")
     if res["mode"] == "dry-run":
         lines += ["", "Dry run: no GPU; tiny shapes, Triton interpreter, POSIX engine on host memory. "
                   "Timings are not meaningful."]
@@ -432,6 +461,11 @@ def main(argv=None) -> int:
     except Exception as e:  # noqa: BLE001
         res["device_verify"] = {"error": repr(e)[:500], "ok": False}
     print("device verify:", json.dumps(res["device_verify"]), flush=True)
+    try:
+        res["linker"] = linker_check(device, work, dry)
+    except Exception as e:  # noqa: BLE001
+        res["linker"] = {"error": repr(e)[:500], "ok": False}
+    print("linker:", json.dumps(res["linker"]), flush=True)
     res["runtime_s"] = time.perf_counter() - t0
     (out_dir / "gpu_results.json").write_text(json.dumps(res, indent=2))
     md = markdown(res)
@@ -443,6 +477,9 @@ def main(argv=None) -> int:
         pass
     if res["device_verify"].get("ok") is False:
         print("device verify FAILED:", json.dumps(res["device_verify"]), file=sys.stderr)
+        return 1
+    if not res["linker"].get("ok"):
+        print("linker load FAILED:", json.dumps(res["linker"]), file=sys.stderr)
         return 1
     return 0
 

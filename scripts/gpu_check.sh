@@ -2,7 +2,9 @@
 # GPU proof of FC-CIO (paper §3.3) on a lent GPU machine (H200), in under 8 minutes:
 #   kvikio reads into HBM (GDS or compat mode), HBM window + Triton scatter into device paged KV
 #   for every layout (bit-exact vs torch), SSD -> HBM restore bandwidth vs the same bytes read
-#   sequentially, scatter/read overlap, scatter kernel throughput vs index_copy_.
+#   sequentially, scatter/read overlap, scatter kernel throughput vs index_copy_, and the direct
+#   linker's layer-wise load (FlatCakeLinker) into CUDA stand-in device pools: bit-exact per layout,
+#   time to layer 0 usable vs the whole restore.
 # Writes gpu_results.json + gpu_results.md to $OUT (else runs/gpu/). See scripts/gpu_check.py.
 #
 #   bash scripts/gpu_check.sh             # on the GPU machine

@@ -18,6 +18,11 @@ Accepted (in any position, each as ``--flag value`` or ``--flag=value``)::
     --dry-run                                    # launcher-only; print argv' as a JSON array, exit 0
     --no-buffer-only                             # launcher-only; keep SGLang's host memory mode
     --no-flatcake-plugin                         # launcher-only; FLATCAKE_PLUGIN=off for SGLang
+    --direct                                     # launcher-only; FlatCake as the direct L3 linker
+
+``--direct`` selects SGLang's direct linker (``--enable-unified-cache-external-linker``, backend
+``dynamic``, ``FlatCakeLinker``) instead of HiCache, and refuses HiCache flags:
+:mod:`flatcake.adapter.launch_direct`.
 
 Serving defaults with the flatcake backend (both can be turned off):
 
@@ -71,6 +76,7 @@ CONFIG_FLAG = "--flatcake-config"
 DRY_RUN_FLAG = "--dry-run"
 NO_BUFFER_ONLY_FLAG = "--no-buffer-only"
 NO_PLUGIN_FLAG = "--no-flatcake-plugin"
+DIRECT_FLAG = "--direct"
 HOST_MODE_FLAG = "--hicache-host-memory-mode"
 PD_MODE_FLAG = "--disaggregation-mode"
 PLUGIN_NAME = "flatcake"
@@ -418,7 +424,7 @@ def plugin_installed() -> bool:
 def _take_switches(head: list[str]) -> tuple[list[str], dict[str, bool]]:
     """Remove the launcher-only switches from ``head``; refuse them with a value."""
     switches = {}
-    for flag in (DRY_RUN_FLAG, NO_BUFFER_ONLY_FLAG, NO_PLUGIN_FLAG):
+    for flag in (DRY_RUN_FLAG, NO_BUFFER_ONLY_FLAG, NO_PLUGIN_FLAG, DIRECT_FLAG):
         if any(a.startswith(flag + "=") for a in head):
             raise LaunchError(f"{flag} takes no value")
         switches[flag] = flag in head
@@ -436,30 +442,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         0 after ``--dry-run`` or when SGLang returns normally; 2 on a launcher error. SGLang's
         own ``SystemExit`` propagates unchanged.
     """
-    from flatcake.adapter.launch_config import effective_backend, launch_warnings, rewrite_command
-
     args = list(sys.argv[1:] if argv is None else argv)
     cut = args.index("--") if "--" in args else len(args)
     written = None
     try:
         head, switches = _take_switches(args[:cut])
-        new_argv, written = rewrite_command(head + args[cut:])
-        if written is not None:
-            print(f"{_PROG}: --config rewritten into {written} (backend keys only)", file=sys.stderr)
-        env: dict[str, str] = {}
-        if effective_backend(head + args[cut:]) == FLATCAKE_BACKEND:
-            if not switches[NO_BUFFER_ONLY_FLAG]:
-                new_argv, note = with_buffer_only(new_argv)
-                print(f"{_PROG}: {note}", file=sys.stderr)
-            env = plugin_environment(dict(os.environ), not switches[NO_PLUGIN_FLAG])
-            if not switches[NO_PLUGIN_FLAG] and not plugin_installed():
-                print(f"{_PROG}: warning: the flatcake plugin is not installed (pip install FlatCake); "
-                      "SGLang keeps its FIFO prefetch I/O", file=sys.stderr)
-            print(f"{_PROG}: environment " + " ".join(f"{k}={v}" for k, v in env.items()), file=sys.stderr)
-        elif switches[NO_BUFFER_ONLY_FLAG] or switches[NO_PLUGIN_FLAG]:
-            raise LaunchError(f"{NO_BUFFER_ONLY_FLAG} and {NO_PLUGIN_FLAG} need {BACKEND_FLAG} {FLATCAKE_BACKEND}")
-        for warning in launch_warnings(new_argv):
-            print(f"{_PROG}: warning: {warning}", file=sys.stderr)
+        if switches[DIRECT_FLAG]:
+            new_argv, env = _direct(head + args[cut:], switches)
+        else:
+            new_argv, written, env = _hicache(head + args[cut:], switches)
     except LaunchError as e:
         print(f"{_PROG}: error: {e}", file=sys.stderr)
         _remove(written)
@@ -477,6 +468,51 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     finally:
         _remove(written)  # SGLang read it in this process, before starting any other
     return 0
+
+
+def _direct(argv: list[str], switches: dict[str, bool]) -> tuple[list[str], dict[str, str]]:
+    """``--direct``: the linker flags (:func:`flatcake.adapter.launch_direct.rewrite_direct`) and
+    ``FLATCAKE_PLUGIN=off`` (the plugin drives HiCache's prefetch, which the linker does not run)."""
+    from flatcake.adapter.launch_direct import rewrite_direct
+    from flatcake.adapter.plugin import ENV_SWITCH
+
+    for flag in (NO_BUFFER_ONLY_FLAG, NO_PLUGIN_FLAG):
+        if switches[flag]:
+            raise LaunchError(f"{flag} is a HiCache option; {DIRECT_FLAG} has no host tier and no FC-MAS plugin")
+    new_argv = rewrite_direct(argv)
+    env = {ENV_SWITCH: "off"}
+    print(f"{_PROG}: direct L3 linker (FlatCakeLinker); environment "
+          + " ".join(f"{k}={v}" for k, v in env.items()), file=sys.stderr)
+    return new_argv, env
+
+
+def _hicache(argv: list[str], switches: dict[str, bool]) -> tuple[list[str], Optional[str], dict[str, str]]:
+    """The HiCache door: ``--hicache-storage-backend flatcake`` rewritten (argv', written YAML, env)."""
+    from flatcake.adapter.launch_config import effective_backend, launch_warnings, rewrite_command
+
+    written = None
+    try:
+        new_argv, written = rewrite_command(argv)
+        if written is not None:
+            print(f"{_PROG}: --config rewritten into {written} (backend keys only)", file=sys.stderr)
+        env: dict[str, str] = {}
+        if effective_backend(argv) == FLATCAKE_BACKEND:
+            if not switches[NO_BUFFER_ONLY_FLAG]:
+                new_argv, note = with_buffer_only(new_argv)
+                print(f"{_PROG}: {note}", file=sys.stderr)
+            env = plugin_environment(dict(os.environ), not switches[NO_PLUGIN_FLAG])
+            if not switches[NO_PLUGIN_FLAG] and not plugin_installed():
+                print(f"{_PROG}: warning: the flatcake plugin is not installed (pip install FlatCake); "
+                      "SGLang keeps its FIFO prefetch I/O", file=sys.stderr)
+            print(f"{_PROG}: environment " + " ".join(f"{k}={v}" for k, v in env.items()), file=sys.stderr)
+        elif switches[NO_BUFFER_ONLY_FLAG] or switches[NO_PLUGIN_FLAG]:
+            raise LaunchError(f"{NO_BUFFER_ONLY_FLAG} and {NO_PLUGIN_FLAG} need {BACKEND_FLAG} {FLATCAKE_BACKEND}")
+        for warning in launch_warnings(new_argv):
+            print(f"{_PROG}: warning: {warning}", file=sys.stderr)
+    except BaseException:
+        _remove(written)  # a refused or failed rewrite: no rewritten YAML left behind
+        raise
+    return new_argv, written, env
 
 
 def _remove(path: Optional[str]) -> None:

@@ -37,6 +37,7 @@ from flatcake.layout import KvPageLayout, UnsupportedLayoutError
 from flatcake.adapter.v2 import HybridPoolsMixin, is_logical_anchor
 from flatcake.adapter.identity import (PoolIdentity, base_identity, dp_rank_of, expand_advertise, expand_ssd_paths,
                                        open_pool, rank_port_offset, rank_values, sglang_replica)
+from flatcake.adapter import rank_store
 from flatcake.adapter.cluster_hook import start_member, stop_member
 from flatcake.adapter.cluster_walk import hit_run, read_run
 from flatcake.adapter.startup import (check_file_bytes, default_path_warning, native_warning, prefix_keys_warning,
@@ -183,6 +184,7 @@ class FlatCakeStorage(HybridPoolsMixin, HiCacheStorage):
             self.cluster = None
             if self.store is not None:
                 self.refresh_metrics(force=True)
+                rank_store.withdraw(self.store)
                 self.store.close()
             self.layout = layout
             self.namespace = make_namespace(self.storage_config, mem_pool_host, layout)
@@ -198,6 +200,7 @@ class FlatCakeStorage(HybridPoolsMixin, HiCacheStorage):
                                            backlog_budget=self.backlog_budget),
                 self.cfg, self.namespace, base_identity(sc, self.cfg, self.replica), role)
             self.errors = self.store.errors
+            rank_store.publish(self.store)  # the direct linker of this rank uses it too
             self.cluster = start_member(self.cfg, self.store, self.namespace)
             if self._exporter is not None:
                 self._exporter.new_store(self._metric_labels())
@@ -205,9 +208,9 @@ class FlatCakeStorage(HybridPoolsMixin, HiCacheStorage):
 
     def _log_startup(self, role: str, ident: PoolIdentity) -> None:
         """Log this rank's start-up line (INFO) and a WARNING each when ``ssd.path`` is the
-        per-user default, SGLang passes no prefix keys or a C loop fell back or still compiles
-        (:mod:`flatcake.adapter.startup`); the namespace goes to DEBUG. Waits for the C loops'
-        builds first, at most :data:`flatcake.native_loop.WAIT_S` seconds."""
+        per-user default, SGLang passes no prefix keys or a C loop fell back
+        (:mod:`flatcake.adapter.startup`); the namespace goes to DEBUG. Binds every C loop of
+        the extension first (:func:`flatcake.native_loop.wait_all`; no compiler runs)."""
         sc, store = self.storage_config, self.store
         ranks = (f"tp {sc.tp_rank}/{sc.tp_size} pp {sc.pp_rank}/{sc.pp_size} {ident.base}" if sc else ident.base)
         native_loop.wait_all()
@@ -450,6 +453,7 @@ class FlatCakeStorage(HybridPoolsMixin, HiCacheStorage):
             if self.store is not None:
                 try:
                     self.refresh_metrics(force=True)
+                    rank_store.withdraw(self.store)
                     self.store.close()
                 except Exception as e:  # pragma: no cover - best effort at shutdown
                     log.warning("flatcake close: %s", e)

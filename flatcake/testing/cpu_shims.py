@@ -46,6 +46,11 @@ shim acts only on a name SGLang left unbound or on a call that cannot run withou
 
 None touches the HiCache controller, the radix cache, prefetch/backup logic or any storage call.
 
+SGLang's direct L3 path (``--enable-unified-cache-external-linker``: ``UnifiedRadixCache`` with an
+external linker such as :class:`flatcake.FlatCakeLinker`, no HiCache) needs no shim beyond these:
+its device pools are CPU tensors and ``get_device_module()`` is ``torch.cpu``, whose ``Event``
+records and synchronizes (``docs/real-server.md``, "The direct linker server").
+
 Apply them before SGLang's modules import: :func:`install` puts an import hook in place that
 patches each named module right after it loads (the scheduler and detokenizer processes, started
 with ``spawn``, get the same hook through :mod:`flatcake.testing.sitecustomize` on ``PYTHONPATH``;

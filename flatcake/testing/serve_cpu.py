@@ -21,6 +21,13 @@ HiCache needs ``--hicache-io-backend direct`` with ``--hicache-mem-layout layer_
         --hicache-mem-layout page_first_direct --hicache-storage-backend dynamic \\
         --hicache-storage-backend-extra-config '{"backend_name": "flatcake", "module_path": "flatcake", ...}'
 
+SGLang's direct L3 linker instead of HiCache: no HiCache flags, and either SGLang's three linker
+flags naming ``FlatCakeLinker`` or ``--launcher --direct`` (``flatcake-sglang --direct``)::
+
+    python -m flatcake.testing.serve_cpu --launcher --direct --model-path /tmp/tiny --device cpu \
+        --attention-backend torch_native --disable-cuda-graph --dtype float32 --max-total-tokens 4096 \
+        --page-size 16 --unified-cache-external-linker-config '{"linker_extra_config": {"ssd.path": ...}}'
+
 On a machine with CUDA the shims do nothing and this is SGLang's (or the launcher's) own command.
 """
 

@@ -55,6 +55,21 @@ def flatcake_storage(pool_dir: str | Path, **overrides: Any) -> Dict[str, Any]:
     return cfg
 
 
+#: SGLang's ``dynamic`` linker keys that select FlatCake's direct L3 linker (``docs/linker.md``)
+FLATCAKE_LINKER = {"linker": "FlatCakeLinker", "linker_module_path": "flatcake.linker"}
+#: the SGLang flags of the direct linker (the config JSON follows the last one)
+LINKER_FLAGS = ["--enable-unified-cache-external-linker", "--unified-cache-external-linker-backend", "dynamic",
+                "--unified-cache-external-linker-config"]
+
+
+def flatcake_linker(pool_dir: str | Path, **overrides: Any) -> Dict[str, Any]:
+    """FlatCake's ``linker_extra_config`` for a test server with the direct linker: the same small
+    pool as :func:`flatcake_storage` (FlatCake's keys only), plus ``overrides`` (dotted keys)."""
+    cfg = {"ssd.path": str(pool_dir), "ssd.file_bytes": 64 << 20, "ssd.max_files": 2, "dram.capacity_bytes": 16 << 20}
+    cfg.update(overrides)
+    return cfg
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago."""
     with socket.socket() as s:
@@ -67,7 +82,9 @@ class ServerSpec:
     """One server's arguments. ``storage``: FlatCake's ``dynamic`` extra config
     (:func:`flatcake_storage`), or None for HiCache without L3 (``hicache=False``: no HiCache at all).
     ``launcher``: start through ``flatcake-sglang`` (``storage`` then passed as
-    ``--hicache-storage-backend flatcake`` with the FlatCake keys only)."""
+    ``--hicache-storage-backend flatcake`` with the FlatCake keys only). ``linker``: FlatCake's
+    ``linker_extra_config`` (:func:`flatcake_linker`): SGLang's direct L3 linker instead of HiCache
+    (no HiCache flags; through the launcher as ``flatcake-sglang --direct``)."""
 
     model_path: str
     page_size: int = 16
@@ -78,6 +95,7 @@ class ServerSpec:
     prefetch_policy: str = "wait_complete"
     write_policy: Optional[str] = None
     storage: Optional[Dict[str, Any]] = None
+    linker: Optional[Dict[str, Any]] = None
     launcher: bool = False
     extra_args: List[str] = field(default_factory=list)
     env: Dict[str, str] = field(default_factory=dict)
@@ -88,6 +106,13 @@ class ServerSpec:
             "--model-path", self.model_path, "--host", "127.0.0.1", "--port", str(port),
             "--enable-cache-report", "--enable-metrics", "--log-level", "info",
         ] + cpu_server_args(self.page_size, self.layout, self.max_total_tokens)
+        if self.linker is not None:
+            if self.launcher:
+                args.insert(1, "--direct")
+                return args + ["--unified-cache-external-linker-config",
+                               json.dumps({"linker_extra_config": self.linker})] + list(self.extra_args)
+            return args + LINKER_FLAGS + [json.dumps({**FLATCAKE_LINKER, "linker_extra_config": self.linker})] \
+                + list(self.extra_args)
         if self.hicache:
             args += ["--enable-hierarchical-cache", "--hicache-ratio", str(self.hicache_ratio),
                      "--hicache-storage-prefetch-policy", self.prefetch_policy]
@@ -268,10 +293,17 @@ class CpuServer:
             raise ServerError(f"GET {path} -> {r.status_code}: {r.text[:500]}")
         return r
 
-    def generate(self, input_ids: Sequence[int], max_new_tokens: int = 16, **sampling: Any) -> Generation:
-        """Greedy generation from token ids (``temperature`` 0 and ``ignore_eos`` unless given)."""
+    def generate(self, input_ids: Sequence[int], max_new_tokens: int = 16, session_id: Optional[str] = None,
+                 **sampling: Any) -> Generation:
+        """Greedy generation from token ids (``temperature`` 0 and ``ignore_eos`` unless given).
+        ``session_id``: SGLang 0.5.23's top-level ``GenerateReqInput.session_id`` (a stable
+        identity, no session state: it reaches ``InsertParams.session_id`` and a direct linker's
+        ``offload(session_id=...)``)."""
         params = {"max_new_tokens": max_new_tokens, "temperature": 0.0, "ignore_eos": True, **sampling}
-        body = self.post("/generate", {"input_ids": list(input_ids), "sampling_params": params}).json()
+        payload: Dict[str, Any] = {"input_ids": list(input_ids), "sampling_params": params}
+        if session_id is not None:
+            payload["session_id"] = session_id
+        body = self.post("/generate", payload).json()
         return Generation.from_response(body)
 
     def flush(self, wait_s: float = 180.0, headers: Optional[Dict[str, str]] = None) -> str:

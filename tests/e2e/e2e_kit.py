@@ -61,3 +61,57 @@ def backup_flush_again(server: CpuServer, ids: List[int], expected: List[int], p
     again = server.generate(ids)
     assert_from_storage(again, page, expected, "after /flush_cache")
     return again
+
+
+def assert_from_linker(g: Generation, page: int, expected: List[int], what: str = "") -> None:
+    """After a flush, with SGLang's direct L3 linker: every full page of the prompt restored by the
+    linker, nothing from the device, and the reference tokens. SGLang 0.5.23 counts a linker hit
+    as ``host`` in ``cached_tokens_details`` (the wrapper reports it as ``host_hit_length``:
+    ``unified_cache_linker.py`` ``match``; ``schedule_batch.py`` ``split_cached_prefix_by_tier``)
+    and reports no ``storage`` key (no HiCache storage backend: ``output_streamer.py``
+    ``get_cached_tokens_details``)."""
+    stored = full_page_tokens(g.prompt_tokens, page)
+    assert (g.device_tokens, g.host_tokens, g.storage_tokens) == (0, stored, 0), f"{what}: {g.meta}"
+    assert "storage" not in g.meta["cached_tokens_details"], f"{what}: {g.meta}"
+    assert g.cached_tokens == stored, f"{what}: {g.meta}"
+    assert g.output_ids == expected, f"{what}: tokens differ from the transformers reference"
+
+
+def open_linker_offline(model_path: str, linker_extra: dict, page: int, heads: int = 4, head_dim: int = 128,
+                        layers: int = 2):
+    """A :class:`flatcake.FlatCakeLinker` in this process over the pool a stopped linker server
+    wrote (same model path, page geometry and ``linker_extra_config``, so the same namespace):
+    its store rebuilds the pool from the journal, as a restarted server would. Built through
+    SGLang's ``create_unified_cache_linker`` over a real fp32 ``MHATokenToKVPool`` of the tiny
+    Llama's KV geometry on CPU. The caller closes it."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from flatcake.replay.sglang_cpu import ensure_importable
+
+    ensure_importable()
+    from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+    from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
+    from sglang.srt.mem_cache.unified_cache.linker_factory import create_unified_cache_linker
+
+    slots = 8 * page
+    kv = MHATokenToKVPool(size=slots, page_size=page, dtype=torch.float32, head_num=heads, head_dim=head_dim,
+                          layer_num=layers, device="cpu", enable_memory_saver=False)
+    alloc = PagedTokenToKVPoolAllocator(slots, page, kv.dtype, "cpu", kv, need_sort=False)
+    params = CacheInitParams(disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=alloc, page_size=page)
+    config = {"linker": "FlatCakeLinker", "linker_module_path": "flatcake.linker",
+              "linker_extra_config": dict(linker_extra)}
+    return create_unified_cache_linker(SimpleNamespace(model_path=model_path), params, backend="dynamic",
+                                       config=config, components={ComponentType.FULL})
+
+
+def page_keys(token_ids: List[int], page: int) -> List[str]:
+    """SGLang's storage keys of the whole pages of ``token_ids`` from the sequence head (the keys
+    the direct linker is offloaded and looked up with: ``get_storage_hash_str``)."""
+    from sglang.srt.mem_cache.utils import get_storage_hash_str
+
+    whole = len(token_ids) // page * page
+    return get_storage_hash_str(list(token_ids[:whole]), None, page_size=page)
