@@ -8,12 +8,12 @@
 #   gil            bench_gil.py                                       3 repeats                         1 min
 #   mas            bench_mas.py                                       5 repeats                         2 min
 #   cluster        bench_cluster.py (root, netns, etcd, Mooncake TE)  5 interleaved repeats             2 min
-#   serve-bench    serve_bench.py (full)                              3 runs per point                 75 min
+#   serve-bench    serve_bench.py (full: 6 systems, 2 traces, 3 rates) 3 runs per point                 90 min
 #   results        results.py (full)                                  1 run (hit rates are              60 min
 #                                                                     deterministic; TTFT one run)
 #
 # Every bench reports each run and the median, and its disk limit (fio) from the same window.
-# Needs a quiet machine: nothing else running for the ~2.6 h (the script refuses to start when the
+# Needs a quiet machine: nothing else running for the ~2.9 h (the script refuses to start when the
 # 1-minute load average is above 0.5, unless FORCE=1). Writes runs/measure-<UTC date>/: log.txt
 # (each command, start, end, exit status), <step>.out (its output) and the JSON files; the storage
 # files of every step are removed by the step itself.
