@@ -35,15 +35,14 @@ from tqdm import tqdm
 from flatcake.align import ALIGN
 from flatcake.config import ConfigError, FlatCakeConfig, load_config, read_yaml
 from flatcake.replay.budget import DiskBudgetError, check_disk_budget, equal_capacity, file_max_size
-from flatcake.replay.engine import Engine, EngineConfig, ModelProfile, RequestOutcome, reusable_counts
-from flatcake.replay.hybrid_engine import HybridEngine, hybrid_summary
-from flatcake.replay.hybrid_systems import make_hybrid_system, restrict_to_hybrid
-from flatcake.replay.keys import PageKeyer
+from flatcake.replay.engine import EngineConfig, ModelProfile, RequestOutcome, reusable_counts
+from flatcake.replay.hybrid_engine import hybrid_summary
+from flatcake.replay.hybrid_systems import restrict_to_hybrid
 from flatcake.replay.report import markdown, plot_ttft_cdf, policy_label, system_summary
+from flatcake.replay.startup import load_requests, make_engine, make_replay_system, storage_keys
 from flatcake.replay.sweep import parse_rates, parse_schedulers, run_sweep, serving_markdown
-from flatcake.replay.systems import FIXED_SCHEDULER, FLATCAKE_SYSTEMS, STORAGE_DIRS, SYSTEMS, make_system
-from flatcake.replay.traces import (DEFAULT_SESSION_GAP_S, TraceFormatError, detect_format, ideal_hit_rate,
-                                    load_trace)
+from flatcake.replay.systems import FIXED_SCHEDULER, FLATCAKE_SYSTEMS, STORAGE_DIRS, SYSTEMS
+from flatcake.replay.traces import DEFAULT_SESSION_GAP_S, TraceFormatError, detect_format, ideal_hit_rate
 
 log = logging.getLogger("flatcake.replay")
 
@@ -73,17 +72,6 @@ HARNESS_DEFAULTS: dict[str, Any] = {
 
 #: every replay-section key and its default: the harness's plus :class:`EngineConfig`'s
 REPLAY_DEFAULTS: dict[str, Any] = {**HARNESS_DEFAULTS, **{f.name: f.default for f in dataclasses.fields(EngineConfig)}}
-
-
-def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        key = f"{prefix}{k}"
-        if isinstance(v, dict):
-            out.update(_flatten(v, key + "."))
-        else:
-            out[key] = v
-    return out
 
 
 def _resolve(path: Optional[str], base: Path) -> Optional[Path]:
@@ -292,37 +280,22 @@ def run_replay(cfg: FlatCakeConfig, settings: dict[str, Any], profile: ModelProf
     out = Path(settings["out"])
     trace = Path(settings["trace"])
     t0 = time.perf_counter()
-    reqs = load_trace(trace, max_requests=settings["max_requests"], sessions=settings["sessions"],
-                      session_gap_s=settings["session_gap_s"], skip_sessions=settings["skip_sessions"],
-                      max_context_tokens=settings["max_context_tokens"])
-    keyer = PageKeyer(profile.page_size)
-    keys = [keyer.keys(r) for r in reqs]
+    reqs, keys = load_requests(settings, profile)
     hits, total = ideal_hit_rate(keys, reusable_counts(reqs, keys, profile.page_size))
     unique = len({k for ks in keys for k in ks})
     load_s = time.perf_counter() - t0
 
-    ecfg = EngineConfig(**{f.name: settings[f.name] for f in dataclasses.fields(EngineConfig)})
-    fc_keys = _flatten(cfg.model_dump(exclude={"model", "replay"}))
+    ecfg = EngineConfig.from_settings(settings)
+    fc_keys = storage_keys(cfg)
     names = list(settings["systems"])
     if settings["disk_budget"]:  # all systems hold their data at once
         est = unique * profile.page_bytes + len(reqs) * profile.trailing_bytes  # hybrid: + each request's window
         check_disk_budget(names, est, fc_keys, settings["file_extra"], out, together=True)
     capacity = equal_capacity(fc_keys) if set(names) & set(FLATCAKE_SYSTEMS) else None  # ValueError: B > D
     out.mkdir(parents=True, exist_ok=True)  # only once the trace has been read and the run fits
-    if profile.hybrid:  # SGLang's v2 pool interface (flatcake/replay/hybrid*.py)
-        systems = {n: make_hybrid_system(n, profile, settings["host_pool_pages"], out, fc_keys,
-                                         settings["file_extra"], settings["drop_page_cache"], equal_capacity=True)
-                   for n in names}
-    else:
-        systems = {
-            n: make_system(n, profile, settings["host_pool_pages"], out, fc_keys, settings["file_extra"],
-                           settings["drop_page_cache"], settings["tiered_extra"],
-                           mooncake_extra=settings.get("mooncake_extra"), equal_capacity=True)
-            for n in names
-        }
-    engine = HybridEngine if profile.hybrid else Engine
+    systems = {n: make_replay_system(n, profile, settings, out, fc_keys) for n in names}  # hybrid: v2 systems
     try:
-        outcomes = _replay_requests({n: engine(systems[n], profile, ecfg) for n in names}, reqs, keys, progress)
+        outcomes = _replay_requests({n: make_engine(systems[n], profile, ecfg) for n in names}, reqs, keys, progress)
     finally:
         counters, disk = _close_systems(systems, out, settings["keep_data"])
 
@@ -428,7 +401,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return run_nodes(cfg, settings, profile, args)
     if set(settings["systems"]) & set(FLATCAKE_SYSTEMS):  # FlatCake's write backlog fits its DRAM budget
         try:
-            equal_capacity(_flatten(cfg.model_dump(exclude={"model", "replay"})))
+            equal_capacity(storage_keys(cfg))
         except ValueError as e:
             print(f"flatcake-replay: {e}", file=sys.stderr)
             return 2
@@ -492,8 +465,8 @@ def _serve(cfg: FlatCakeConfig, settings: dict, profile: ModelProfile, rates: li
            t0: float) -> int:
     """``--qps``: the concurrent serving sweep (:mod:`flatcake.replay.sweep`)."""
     try:
-        ecfg = EngineConfig(**{f.name: settings[f.name] for f in dataclasses.fields(EngineConfig)})
-        fc_keys = _flatten(cfg.model_dump(exclude={"model", "replay"}))
+        ecfg = EngineConfig.from_settings(settings)
+        fc_keys = storage_keys(cfg)
         result = run_sweep(fc_keys, settings, profile, ecfg, rates, scheds, restores)
     except (ValueError, TraceFormatError) as e:
         print(f"flatcake-replay: {e}", file=sys.stderr)

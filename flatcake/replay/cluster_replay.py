@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import dataclasses
 import json
 import os
 import select
@@ -37,7 +36,7 @@ from typing import Any, Optional
 import xxhash
 
 from flatcake.replay.budget import DiskBudgetError, footprint, margin_bytes
-from flatcake.replay.engine import EngineConfig, ModelProfile
+from flatcake.replay.engine import EngineConfig, ModelProfile, RequestOutcome
 from flatcake.replay.traces import TraceRequest
 
 ROUTERS = ("affinity", "round-robin")
@@ -249,7 +248,7 @@ def write_requests_csv(path: Path, runs: dict) -> None:
         for mode, run in runs.items():
             for i, r in enumerate(run["replies"]):
                 o = r["outcome"]
-                ttft = o["query_s"] + o["read_s"] + o["load_s"] + o["prefill_s"]
+                ttft = RequestOutcome(**o).ttft_s  # the engine's own definition
                 w.writerow([i, mode, r["node"], o["pages"], o["prompt_tokens"], o["hbm_pages"], r["local_dram"],
                             r["local_ssd"], r["remote_dram"], r["remote_ssd"], o["computed_pages"],
                             o["written_pages"], o["verify_failures"], f"{ttft:.6f}"])
@@ -260,10 +259,9 @@ def run_nodes(cfg, settings: dict, profile: ModelProfile, args: argparse.Namespa
     and print the summary. Returns the exit status: 0, 1 (verify failures, or a node failed:
     its log's tail on stderr), 2 (refused: a bad flag, or the machine cannot run it — one line
     on stderr says why)."""
-    from flatcake.replay.cli import _flatten
     from flatcake.replay.cluster_report import cluster_markdown, cluster_summary
-    from flatcake.replay.keys import PageKeyer
-    from flatcake.replay.traces import TraceFormatError, load_trace
+    from flatcake.replay.startup import load_requests, storage_keys
+    from flatcake.replay.traces import TraceFormatError
 
     try:
         check_request(args, profile)
@@ -271,12 +269,8 @@ def run_nodes(cfg, settings: dict, profile: ModelProfile, args: argparse.Namespa
         reason = unavailable_reason()
         if reason:
             raise ValueError(f"--nodes needs a local cluster, and this machine cannot run one: {reason}")
-        reqs = load_trace(Path(settings["trace"]), max_requests=settings["max_requests"], sessions=settings["sessions"],
-                          session_gap_s=settings["session_gap_s"], skip_sessions=settings["skip_sessions"],
-                          max_context_tokens=settings["max_context_tokens"])
-        keyer = PageKeyer(profile.page_size)
-        keys = [keyer.keys(r) for r in reqs]
-        fc_keys = _flatten(cfg.model_dump(exclude={"model", "replay"}))
+        reqs, keys = load_requests(settings, profile)
+        fc_keys = storage_keys(cfg)
         unique = len({k for ks in keys for k in ks})
         if settings["disk_budget"]:
             check_disk(args.nodes, unique * profile.page_bytes, fc_keys, Path(settings["out"]))
@@ -284,7 +278,7 @@ def run_nodes(cfg, settings: dict, profile: ModelProfile, args: argparse.Namespa
         print(f"flatcake-replay: {e}", file=sys.stderr)
         return 2
     t0 = time.perf_counter()
-    ecfg = EngineConfig(**{f.name: settings[f.name] for f in dataclasses.fields(EngineConfig)})
+    ecfg = EngineConfig.from_settings(settings)
     ctx = {"out": settings["out"], "nodes": args.nodes, "fc_keys": fc_keys, "profile": profile.as_dict(),
            "engine": dict(ecfg.__dict__), "host_pool_pages": settings["host_pool_pages"], "keys": keys,
            "tokens": [r.prompt_tokens for r in reqs], "route": route(reqs, args.nodes, router),

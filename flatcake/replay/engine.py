@@ -1,6 +1,10 @@
-"""Engine model: what an SGLang scheduler does with one request's prefix, minus the GPU.
+"""The serial engine: SGLang's scheduler serving one request at a time, minus the GPU; and the
+model profile (KV geometry, prefill cost) every replay uses.
 
-Lifecycle of one request (arrival order, one request at a time)::
+:class:`Engine` is the :class:`~flatcake.replay.engine_core.EngineCore` (the steps every replay
+engine shares: HBM match, prefetch threshold and budget, 128-page reads and write-backs, verify)
+with its steps run in order on the calling thread. Lifecycle of one request (arrival order, one
+request at a time)::
 
     keys = page keys of the prompt (flatcake.replay.keys)
     usable = the keys SGLang may take from a cache: those of the first (prompt_tokens - 1) // P
@@ -36,16 +40,16 @@ queueing: requests are served one after another, so TTFT is a per-request servic
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
 from dataclasses import dataclass, replace
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Mapping, Sequence
 
-import numpy as np
 import torch
-import xxhash
 
 from flatcake.adapter.host_pool import MHAHostPoolDouble, MLAHostPoolDouble
-from flatcake.config import STORAGE_BATCH_PAGES
+# the engine core's parts, importable from here as before issue 25
+from flatcake.replay.engine_core import (EngineConfig, EngineCore, HbmCache, HostPages, PageContent,
+                                         Prefix, prefill_tokens, read_batches, reusable_counts, reusable_pages,
+                                         usable_hit, verify_pages, write_batches, write_dense_batch)
 
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
@@ -210,149 +214,7 @@ class ModelProfile:
         return nbytes / (self.pcie_gbps * 1e9)
 
 
-# ------------------------------------------------------------------------------------ HBM cache
-class HbmCache:
-    """HBM prefix cache at page granularity with LRU eviction.
-
-    Keys are chained, so "longest prefix match" is the leading run of keys present. On insert the
-    request's keys are touched last-to-first, so a prefix page is always more recent than the
-    pages after it and eviction takes a sequence's tail first (as a radix tree evicts leaves).
-
-    Args:
-        capacity_pages: pages HBM can hold (0 disables the cache).
-    """
-
-    def __init__(self, capacity_pages: int):
-        self.capacity_pages = int(capacity_pages)
-        self._lru: OrderedDict[str, None] = OrderedDict()
-        self.evicted_pages = 0
-
-    def __len__(self) -> int:
-        return len(self._lru)
-
-    def __contains__(self, key: str) -> bool:
-        return key in self._lru
-
-    def match_prefix(self, keys: Sequence[str]) -> int:
-        """Number of leading ``keys`` held in HBM (no recency update)."""
-        n = 0
-        for k in keys:
-            if k not in self._lru:
-                break
-            n += 1
-        return n
-
-    def insert(self, keys: Sequence[str]) -> None:
-        """Make ``keys`` most recent (``keys[0]`` the most recent of all), then evict LRU pages
-        down to capacity."""
-        if self.capacity_pages <= 0:
-            return
-        lru = self._lru
-        for k in reversed(keys):
-            if k in lru:
-                lru.move_to_end(k)
-            else:
-                lru[k] = None
-        while len(lru) > self.capacity_pages:
-            lru.popitem(last=False)
-            self.evicted_pages += 1
-
-
-# ------------------------------------------------------------------------------- host pages
-class HostPages:
-    """Free list of whole pages of a host pool; hands out SGLang-style token-slot indices.
-
-    Args:
-        pool: a host pool (``page_size``, ``size`` attributes).
-    """
-
-    def __init__(self, pool):
-        self.pool = pool
-        self.page_size = int(pool.page_size)
-        self._free: list[int] = list(range(int(pool.size) // self.page_size - 1, -1, -1))
-        self._offsets = torch.arange(self.page_size, dtype=torch.int64)
-
-    @property
-    def free_pages(self) -> int:
-        return len(self._free)
-
-    def alloc(self, pages: int) -> torch.Tensor:
-        """Token slots of ``pages`` free pages: int64 CPU tensor, shape ``[pages * page_size]``,
-        page ``i`` at ``[i*page_size, (i+1)*page_size)``, each page's slots contiguous and
-        page-aligned."""
-        if pages > len(self._free):
-            raise MemoryError(f"host pool has {len(self._free)} free pages, {pages} requested")
-        ids = [self._free.pop() for _ in range(pages)]
-        starts = torch.tensor(ids, dtype=torch.int64) * self.page_size
-        return (starts[:, None] + self._offsets[None, :]).reshape(-1)
-
-    def free(self, host_indices: torch.Tensor) -> None:
-        """Return the pages of ``host_indices`` (as from :meth:`alloc`) to the free list."""
-        for s in host_indices[:: self.page_size].tolist():
-            self._free.append(s // self.page_size)
-
-
-# --------------------------------------------------------------------------------- page bytes
-_MIX = 0x5851F42D4C957F2D  # odd 63-bit multiplier
-
-
-class PageContent:
-    """Deterministic page bytes from a page key, and their verification in a host pool.
-
-    ``bytes(key) = int64 words w[i] = i * 0x5851F42D4C957F2D + xxh64(key)`` (wrapping), laid out
-    in the order of the pool's data page (``get_data_page(idx)``). One vector add per page.
-
-    Args:
-        pool: the host pool whose pages are filled and checked.
-    """
-
-    def __init__(self, pool):
-        self.pool = pool
-        page = pool.get_data_page(0, flat=False)
-        self._shape = tuple(page.shape)
-        isz = page.element_size()
-        self.page_bytes = page.numel() * isz
-        if self.page_bytes % 8:
-            raise ValueError("page bytes must be a multiple of 8")
-        base = np.arange(self.page_bytes // 8, dtype=np.uint64) * np.uint64(_MIX)
-        self._base = torch.from_numpy(base.view(np.int64))
-        self._buf = torch.empty_like(self._base)  # reused: no allocation (page faults) per page
-        # compare in the widest unit the page's last dimension allows
-        row_bytes = self._shape[-1] * isz
-        self._cmp_dtype = torch.int64 if row_bytes % 8 == 0 else torch.uint8
-        self._cmp_shape = self._shape[:-1] + (row_bytes // self._cmp_dtype.itemsize,)
-
-    def expected(self, key: str, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """The page's bytes as a flat int64 tensor of ``page_bytes / 8`` words (into ``out``)."""
-        seed = xxhash.xxh64_intdigest(key.encode()) - (1 << 63)
-        return torch.add(self._base, seed, out=out) if out is not None else self._base + seed
-
-    def fill(self, host_slot: int, key: str) -> None:
-        """Write ``key``'s bytes into the page starting at token slot ``host_slot``."""
-        self.pool.set_from_flat_data_page(host_slot, self.expected(key, self._buf).view(self.pool.dtype))
-
-    def verify(self, host_slot: int, key: str) -> bool:
-        """True when the page at ``host_slot`` holds exactly ``key``'s bytes."""
-        got = self.pool.get_data_page(host_slot, flat=False).view(self._cmp_dtype)
-        want = self.expected(key, self._buf).view(self._cmp_dtype).view(self._cmp_shape)
-        return torch.equal(got, want)
-
-
-# -------------------------------------------------------------------------------- the engine
-def reusable_pages(n_keys: int, prompt_tokens: int, page_size: int) -> int:
-    """Pages of a prompt SGLang can take from a cache (HBM, host or L3): it matches at most
-    ``prompt_tokens - 1`` tokens (the last prompt token is always computed: its logits give the
-    first output token; ``Req._compute_max_prefix_len``), in whole pages, and at most the
-    prompt's ``n_keys`` whole pages. A prompt of exactly k pages reuses k - 1."""
-    return max(0, min(n_keys, (prompt_tokens - 1) // page_size))
-
-
-def reusable_counts(reqs: Sequence[Any], keys: Sequence[Sequence[str]], page_size: int) -> list[int]:
-    """:func:`reusable_pages` of every request (``reqs[i].prompt_tokens`` with ``keys[i]``), for
-    :func:`flatcake.replay.traces.ideal_hit_rate`."""
-    return [reusable_pages(len(ks), r.prompt_tokens, page_size) for r, ks in zip(reqs, keys)]
-
-
+# -------------------------------------------------------------------------- the serial engine
 @dataclass
 class RequestOutcome:
     """What one request got from each tier, and its timings (seconds, tokens, pages)."""
@@ -384,69 +246,27 @@ class RequestOutcome:
         return self.query_s + self.read_s + self.load_s + self.prefill_s
 
 
-@dataclass
-class EngineConfig:
-    """Engine-model knobs (the ``replay:`` config section).
-
-    Attributes:
-        hbm_pages: HBM prefix-cache capacity in pages.
-        host_pool_pages: host-pool pages (>= 2 x 128 needed; the pool is a bounce buffer here).
-        prefetch_threshold_tokens: SGLang's ``prefetch_threshold`` (skip L3 below this).
-        prefetch_policy: ``timeout`` (SGLang 0.5.23's default ``--hicache-storage-prefetch-policy``:
-            a prefetch still reading when its deadline passes is cut, the rest recomputed) or
-            ``wait_complete`` (every hit page is waited for).
-        prefetch_timeout_base_s, prefetch_timeout_per_ki_token_s: SGLang's timeout formula, with
-            SGLang 0.5.23's defaults (extra-config ``prefetch_timeout_base`` 1 s and
-            ``prefetch_timeout_per_ki_token`` 0.25 s, ``HybridCacheController``).
-    """
-
-    hbm_pages: int = 512
-    host_pool_pages: int = 512
-    prefetch_threshold_tokens: int = 256
-    prefetch_policy: str = "timeout"
-    prefetch_timeout_base_s: float = 1.0
-    prefetch_timeout_per_ki_token_s: float = 0.25
-
-    #: the prefetch policies the replay models (SGLang's ``best_effort`` is not modelled)
-    POLICIES = ("timeout", "wait_complete")
-
-    def prefetch_timeout_s(self, tokens: int) -> Optional[float]:
-        """Seconds a prefetch of a requested span of ``tokens`` may take under
-        ``prefetch_policy: timeout``; ``None`` under ``wait_complete``. As SGLang 0.5.23
-        (``UnifiedRadixCache._start_storage_prefetch_wait``): ``base + pages × page_size / 1024
-        × per_ki_token``, pages = the span asked of storage (``stats_requested_tokens``, the
-        page-aligned tokens after the device match, known before the hit query), so ``tokens /
-        1024 × per_ki_token`` for a page-aligned span."""
-        if self.prefetch_policy != "timeout":
-            return None
-        return self.prefetch_timeout_base_s + tokens / 1024 * self.prefetch_timeout_per_ki_token_s
-
-
-class Engine:
-    """One system's engine: HBM cache + host pool + an L3 :class:`~flatcake.replay.systems.L3System`.
+class Engine(EngineCore):
+    """One system's engine, one request at a time: the :class:`EngineCore` (HBM cache, host
+    pool) over an L3 :class:`~flatcake.replay.systems.L3System`, the steps run in order on the
+    calling thread, each storage call's seconds (``last_call_s``) summed into the request's TTFT.
 
     Args:
         system: the L3 system (owns the backend and the host pool).
         profile: model profile (cost model).
         cfg: engine knobs.
+
+    Raises:
+        ValueError: the host pool's page bytes disagree with ``profile``, or ``host_pool_pages``
+            is below 2 × 128.
     """
 
     def __init__(self, system, profile: ModelProfile, cfg: EngineConfig):
         self.system = system
-        self.profile = profile
-        self.cfg = cfg
-        self.hbm = HbmCache(cfg.hbm_pages)
-        self.pages = HostPages(system.pool)
         self.content = PageContent(system.pool)
         if self.content.page_bytes != profile.page_bytes:
             raise ValueError("host pool page bytes disagree with the model profile")
-        if self.pages.free_pages < 2 * STORAGE_BATCH_PAGES:
-            raise ValueError(f"host_pool_pages must be >= {2 * STORAGE_BATCH_PAGES}")
-
-    def flush(self) -> None:
-        """Drop the HBM prefix cache, as SGLang's ``POST /flush_cache`` drops its device (and
-        host) tiers; the L3 keeps its pages."""
-        self.hbm = HbmCache(self.cfg.hbm_pages)
+        super().__init__(profile, cfg, system.pool)
 
     def run(self, keys: Sequence[str], prompt_tokens: int) -> RequestOutcome:
         """Serve one request whose prompt has page keys ``keys`` and ``prompt_tokens`` tokens."""
@@ -454,64 +274,61 @@ class Engine:
         P = self.profile.page_size
         sysm = self.system
         out = RequestOutcome(pages=len(keys), prompt_tokens=prompt_tokens)
-        usable = keys[: reusable_pages(len(keys), prompt_tokens, P)]
-        n_hbm = self.hbm.match_prefix(usable)
-        out.hbm_pages = n_hbm
-        rest = usable[n_hbm:]
-        thr = self.cfg.prefetch_threshold_tokens
+        prefix = self.match(keys, prompt_tokens)
+        n_hbm = out.hbm_pages = prefix.hbm
+        rest = list(prefix.rest)
         loaded = 0
-        if rest and len(rest) * P >= thr:
-            hit = sysm.exists(list(rest), list(keys[:n_hbm]))
+        if self.asks_l3(len(rest)):
+            hit = usable_hit(sysm.exists(rest, list(keys[:n_hbm])), len(rest))
             out.query_s = sysm.last_call_s
-            hit = max(0, min(int(hit), len(rest)))
             out.l3_query_pages = hit
-            if hit and hit * P >= thr:
+            if self.asks_l3(hit):
                 # SGLang's clock starts at the first admission poll that finds the prefetch not
                 # done: here, after the hit query; its budget is for the span asked (rest)
-                deadline = self.cfg.prefetch_timeout_s(len(rest) * P)
-                for b in range(0, hit, STORAGE_BATCH_PAGES):
-                    if deadline is not None and out.read_s > deadline:
-                        break
-                    batch = list(rest[b: min(hit, b + STORAGE_BATCH_PAGES)])
-                    host = self.pages.alloc(len(batch))
-                    try:
-                        got, dram, ssd = sysm.get(batch, host, list(keys[: n_hbm + b]))
-                        out.read_s += sysm.last_call_s
-                        out.backlog_pages += sysm.last_backlog_pages
-                        sysm.after_call()
-                        for i in range(got):
-                            if not self.content.verify(int(host[i * P]), batch[i]):
-                                out.verify_failures += 1
-                    finally:
-                        self.pages.free(host)
-                    loaded += got
-                    out.dram_pages += dram
-                    out.ssd_pages += ssd
-                    if got < len(batch):
-                        break
+                budget = self.prefetch_budget_s(prefix)
+                loaded = read_batches(hit, lambda b, e: self._read(rest, b, e, keys[: n_hbm + b], out),
+                                      lambda: budget is not None and out.read_s > budget)
         computed = list(keys[n_hbm + loaded:])
         out.computed_pages = len(computed)
         # prefill: tokens not delivered from HBM or L3 (the partial tail page is always computed)
-        cached_tokens = (n_hbm + loaded) * P
-        out.prefill_s = self.profile.prefill_s(max(0, prompt_tokens - cached_tokens), cached_tokens)
+        new, cached = prefill_tokens(prompt_tokens, n_hbm + loaded, P)
+        out.prefill_s = self.profile.prefill_s(new, cached)
         out.load_s = self.profile.load_s(loaded * self.profile.page_bytes)
         # backup (write-through) of the newly computed pages
-        for b in range(0, len(computed), STORAGE_BATCH_PAGES):
-            batch = computed[b: b + STORAGE_BATCH_PAGES]
-            host = self.pages.alloc(len(batch))
-            try:
-                for i, k in enumerate(batch):
-                    self.content.fill(int(host[i * P]), k)
-                sysm.prepare_set(batch)
-                ok = sysm.set(batch, host, list(keys[: n_hbm + loaded + b]))
-                out.write_s += sysm.last_call_s
-                sysm.after_call()
-            finally:
-                self.pages.free(host)
-            if not ok:
-                out.failed_write_pages += len(computed) - b
-                break
-            out.written_pages += len(batch)
-        self.hbm.insert(keys)
+        wb = write_batches(keys, n_hbm + loaded, lambda batch, pre: self._write(batch, pre, out))
+        out.written_pages, out.failed_write_pages = wb.written, wb.failed
+        self.insert(keys)
         out.wall_s = time.perf_counter() - t_start
         return out
+
+    def _read(self, rest: Sequence[str], b: int, e: int, prefix_keys: Sequence[str], out: RequestOutcome) -> int:
+        """One 128-page read of ``rest[b:e]`` into bounce host pages: timed, split by medium from
+        the system's counters, every delivered page verified; returns the pages delivered."""
+        P, sysm = self.profile.page_size, self.system
+        batch = list(rest[b:e])
+        host = self.pages.alloc(len(batch))
+        try:
+            got, dram, ssd = sysm.get(batch, host, list(prefix_keys))
+            out.read_s += sysm.last_call_s
+            out.backlog_pages += sysm.last_backlog_pages
+            sysm.after_call()
+            out.verify_failures += verify_pages(self.content, host, batch, got, P)
+        finally:
+            self.pages.free(host)
+        out.dram_pages += dram
+        out.ssd_pages += ssd
+        return got
+
+    def _write(self, batch: Sequence[str], prefix_keys: Sequence[str], out: RequestOutcome) -> bool:
+        """One 128-page write-back of ``batch`` from bounce host pages; its seconds to ``write_s``."""
+        host = self.pages.alloc(len(batch))
+        try:
+            ok = write_dense_batch(self.system, self.content, host, batch, prefix_keys, self.profile.page_size)
+            out.write_s += self.system.last_call_s
+        finally:
+            self.pages.free(host)
+        return ok
+
+
+__all__ = ["Engine", "EngineConfig", "EngineCore", "HbmCache", "HostPages", "ModelProfile", "PageContent", "Prefix",
+           "RequestOutcome", "reusable_counts", "reusable_pages"]

@@ -223,11 +223,6 @@ class PoolContent:
         return torch.equal(got.reshape(-1).view(torch.uint8), self.expected(key))
 
 
-def page_slots(host_indices: torch.Tensor, page_size: int, n: int) -> list[int]:
-    """First token slot of each of the ``n`` pages of ``host_indices`` (int64 token slots)."""
-    return [int(host_indices[i * page_size]) for i in range(n)]
-
-
 def pool_transfer(spec: PoolSpec, keys: Optional[list] = None, host_indices: Optional[torch.Tensor] = None):
     """SGLang ``PoolTransfer`` for ``spec``: ``all_pages`` pools are KV-derived
     (``indices_from_pool = kv``), ``trailing_pages`` pools carry their window's ``keys``."""

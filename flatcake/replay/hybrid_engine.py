@@ -30,9 +30,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from flatcake.config import STORAGE_BATCH_PAGES
-from flatcake.replay.engine import EngineConfig, HbmCache, HostPages, ModelProfile, RequestOutcome, reusable_pages
-from flatcake.replay.hybrid import PoolContent, page_slots
+from flatcake.replay.engine import ModelProfile, RequestOutcome
+from flatcake.replay.engine_core import (EngineConfig, EngineCore, HostPages, fill_pages, prefill_tokens,
+                                         read_batches, usable_hit, verify_pages, write_batches)
+from flatcake.replay.hybrid import PoolContent
 
 
 @dataclass
@@ -53,9 +54,11 @@ class HybridOutcome(RequestOutcome):
     trailing_misses: int = 0
 
 
-class HybridEngine:
-    """One system's engine for a hybrid profile: HBM cache + the system's
-    :class:`~flatcake.replay.hybrid.HybridPools` + its v2 calls.
+class HybridEngine(EngineCore):
+    """One system's engine for a hybrid profile: the
+    :class:`~flatcake.replay.engine_core.EngineCore` (HBM cache, the KV anchor's host pages, the
+    request steps) over the system's :class:`~flatcake.replay.hybrid.HybridPools` and its v2
+    calls, one request at a time as :class:`~flatcake.replay.engine.Engine`.
 
     Args:
         system: a :class:`~flatcake.replay.hybrid_systems.V2System` (or ``recompute``).
@@ -67,13 +70,8 @@ class HybridEngine:
     """
 
     def __init__(self, system, profile: ModelProfile, cfg: EngineConfig):
+        super().__init__(profile, cfg, system.pool)
         self.system = system
-        self.profile = profile
-        self.cfg = cfg
-        self.hbm = HbmCache(cfg.hbm_pages)
-        self.pages = HostPages(system.pool)
-        if self.pages.free_pages < 2 * STORAGE_BATCH_PAGES:
-            raise ValueError(f"host_pool_pages must be >= {2 * STORAGE_BATCH_PAGES}")
         hybrid = getattr(system, "hybrid", None)
         self.derived = hybrid.derived if hybrid is not None else ()
         self.trailing = hybrid.trailing if hybrid is not None else ()
@@ -89,51 +87,45 @@ class HybridEngine:
         out.pool_pages = {s.name: 0 for s in (*self.derived, *self.trailing)}
         out.pool_verify_failures = dict.fromkeys(out.pool_pages, 0)
         out.pool_written_pages = dict.fromkeys(out.pool_pages, 0)
-        usable = keys[: reusable_pages(len(keys), prompt_tokens, P)]  # SGLang matches prompt - 1 tokens at most
-        n_hbm = self.hbm.match_prefix(usable)
-        out.hbm_pages = n_hbm
-        rest = list(usable[n_hbm:])
-        thr = self.cfg.prefetch_threshold_tokens
+        prefix = self.match(keys, prompt_tokens)  # SGLang matches prompt - 1 tokens at most
+        n_hbm = out.hbm_pages = prefix.hbm
+        rest = list(prefix.rest)
         loaded, trailing_bytes = 0, 0
-        if self.system.has_l3 and rest and len(rest) * P >= thr:
+        if self.system.has_l3 and self.asks_l3(len(rest)):
             hit, _ = self.system.exists_v2(rest, list(keys[:n_hbm]))
             out.query_s = self.system.last_call_s
-            hit = min(hit, len(rest))
+            hit = usable_hit(hit, len(rest))
             out.l3_query_pages = hit
-            if hit and hit * P >= thr:
-                loaded, trailing_bytes = self._read(rest, list(keys[:n_hbm]), hit, out)
+            if self.asks_l3(hit):
+                loaded, trailing_bytes = self._read(rest, list(keys[:n_hbm]), hit, self.prefetch_budget_s(prefix), out)
         computed = list(keys[n_hbm + loaded:])
         out.computed_pages = len(computed)
-        cached_tokens = (n_hbm + loaded) * P
-        out.prefill_s = self.profile.prefill_s(max(0, prompt_tokens - cached_tokens), cached_tokens)
+        out.prefill_s = self.profile.prefill_s(*prefill_tokens(prompt_tokens, n_hbm + loaded, P))
         out.load_s = self.profile.load_s(loaded * self.profile.page_bytes + trailing_bytes)
         if self.system.has_l3 and computed:
             self._backup(list(keys), n_hbm + loaded, out)
-        self.hbm.insert(keys)
+        self.insert(keys)
         out.wall_s = time.perf_counter() - t_start
         return out
 
     # ---------------------------------------------------------------- read
     def _verify(self, specs, keys, host, n_by_pool: dict, out: HybridOutcome) -> None:
         """Check each pool's delivered pages bit-exact (harness work, untimed)."""
-        slots = page_slots(host, self.profile.page_size, len(keys))
         for s in specs:
             n = n_by_pool.get(s.name, 0)
-            c = self.content[s.name]
-            bad = sum(1 for i in range(n) if not c.verify(slots[i], keys[i]))
+            bad = verify_pages(self.content[s.name], host, keys, n, self.profile.page_size)
             out.pool_pages[s.name] += n
             out.pool_verify_failures[s.name] += bad
             out.verify_failures += bad
 
-    def _read(self, rest: list, prefix: list, hit: int, out: HybridOutcome) -> tuple[int, int]:
-        """Step 3: returns ``(pages delivered by every pool, trailing bytes delivered)``."""
+    def _read(self, rest: list, prefix: list, hit: int, budget_s, out: HybridOutcome) -> tuple[int, int]:
+        """Step 3 (``budget_s``: the prefetch budget of the span asked, None under
+        ``wait_complete``): returns ``(pages delivered by every pool, trailing bytes delivered)``."""
         sysm = self.system
-        deadline = self.cfg.prefetch_timeout_s(len(rest) * self.profile.page_size)  # the span asked, as SGLang
-        loaded, dram, backlog = 0, 0, 0
-        for b in range(0, hit, STORAGE_BATCH_PAGES):
-            if deadline is not None and out.read_s > deadline:
-                break
-            batch = rest[b: min(hit, b + STORAGE_BATCH_PAGES)]
+        media = {"dram": 0, "backlog": 0}
+
+        def read(b: int, e: int) -> int:
+            batch = rest[b:e]
             host = self.pages.alloc(len(batch))
             try:
                 before = self._hits()
@@ -141,14 +133,15 @@ class HybridEngine:
                 out.read_s += secs
                 after = self._hits()
                 d = min(got, max(0, after[0] - before[0]))
-                dram += d
-                backlog += min(got - d, max(0, after[1] - before[1]))
+                media["dram"] += d
+                media["backlog"] += min(got - d, max(0, after[1] - before[1]))
                 self._verify(self.derived, batch, host, runs, out)
             finally:
                 self.pages.free(host)
-            loaded += got
-            if got < len(batch):
-                break
+            return got
+
+        loaded = read_batches(hit, read, lambda: budget_s is not None and out.read_s > budget_s)
+        dram, backlog = media["dram"], media["backlog"]
         if loaded and self.trailing:
             ok, tbytes = self._read_trailing(rest, prefix, loaded, hit, out)
             if not ok:
@@ -191,31 +184,32 @@ class HybridEngine:
 
     # ---------------------------------------------------------------- write-back
     def _fill(self, specs, keys, host) -> None:
-        slots = page_slots(host, self.profile.page_size, len(keys))
         for s in specs:
-            c = self.content[s.name]
-            for i, k in enumerate(keys):
-                c.fill(slots[i], k)
+            fill_pages(self.content[s.name], host, keys, self.profile.page_size)
 
     def _backup(self, keys: list, start: int, out: HybridOutcome) -> None:
         """Step 5: the computed pages ``keys[start:]`` in 128-page batches, then the trailing
         pools' last window."""
         computed = keys[start:]
-        for b in range(0, len(computed), STORAGE_BATCH_PAGES):
-            batch = computed[b: b + STORAGE_BATCH_PAGES]
+
+        def write(batch, prefix_keys) -> bool:
             host = self.pages.alloc(len(batch))
             try:
                 self._fill(self.derived, batch, host)
-                ok, secs = self.system.set_batch(batch, host, keys[: start + b])
+                ok, secs = self.system.set_batch(batch, host, prefix_keys)
                 out.write_s += secs
             finally:
                 self.pages.free(host)
-            if not ok:
-                out.failed_write_pages += len(computed) - b
-                return
-            out.written_pages += len(batch)
-            for s in self.derived:
-                out.pool_written_pages[s.name] += len(batch)
+            if ok:
+                for s in self.derived:
+                    out.pool_written_pages[s.name] += len(batch)
+            return bool(ok)
+
+        wb = write_batches(keys, start, write)
+        out.written_pages += wb.written
+        out.failed_write_pages += wb.failed
+        if wb.failed:
+            return
         for w in sorted({s.window_pages for s in self.trailing}):
             specs = [s for s in self.trailing if s.window_pages == w]
             tkeys = computed[-w:]

@@ -1,6 +1,7 @@
 """One node of the multi-node replay (``flatcake-replay --nodes N``; docs/replay.md): a full
 FlatCake — its own DRAM region, SSD pool directory, host pool and HBM prefix cache, i.e. its own
-:class:`~flatcake.replay.engine.Engine` over a ``flatcake`` system — in a process of its own,
+:class:`~flatcake.replay.engine.Engine` (the replay's one engine core, serving one request at a
+time) over a ``flatcake`` system — in a process of its own,
 started in a node network namespace by :class:`flatcake.cluster.netns.LocalCluster` and driven over
 stdin/stdout, one JSON object per line (:func:`flatcake.cluster.agent.serve`).
 
@@ -67,13 +68,15 @@ class ReplayNode:
 
         Reply: ``cluster`` (whether the backend reports cluster counters).
         """
-        from flatcake.replay.engine import Engine, EngineConfig, ModelProfile
+        from flatcake.replay.engine import EngineConfig, ModelProfile
+        from flatcake.replay.startup import make_engine
         from flatcake.replay.systems import make_system
 
         prof = ModelProfile.from_dict(profile)
         Path(out).mkdir(parents=True, exist_ok=True)
+        # its keys as given (not at equal capacity: no baseline to match), unlike make_replay_system
         self.system = make_system("flatcake", prof, host_pool_pages, Path(out), flatcake)
-        self.engine = Engine(self.system, prof, EngineConfig(**engine))
+        self.engine = make_engine(self.system, prof, EngineConfig(**engine))
         return {"cluster": remote_pages(self._stats()) is not None}
 
     def _stats(self) -> dict:

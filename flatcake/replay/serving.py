@@ -54,10 +54,11 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from flatcake.config import STORAGE_BATCH_PAGES
 from flatcake.mas.lanes import LaneOp, make_lanes
 from flatcake.replay.arrivals import conversation_schedule, offered_qps, turns_before_previous_answer
-from flatcake.replay.engine import EngineConfig, HbmCache, HostPages, ModelProfile, PageContent, reusable_pages
+from flatcake.replay.engine import ModelProfile
+from flatcake.replay.engine_core import (EngineConfig, EngineCore, PageContent, prefill_tokens, read_batches,
+                                         usable_hit, verify_pages, write_batches, write_dense_batch)
 from flatcake.replay.traces import TraceRequest
 
 
@@ -154,8 +155,10 @@ class Live:
         return self.keys[self.hbm_pages:self.reusable_pages]
 
 
-class ServingModel:
-    """One system under one scheduler at one rate; :meth:`run` replays the requests.
+class ServingModel(EngineCore):
+    """One system under one scheduler at one rate; :meth:`run` replays the requests. The
+    :class:`~flatcake.replay.engine_core.EngineCore` (HBM cache, host pool, the request steps)
+    with its steps on the threads of the module docstring.
 
     Args:
         system: an :class:`~flatcake.replay.systems.L3System`; ``None`` or one whose ``has_l3``
@@ -176,12 +179,9 @@ class ServingModel:
         pool = system.pool if system is not None else host_pool
         if system is not None and not system.has_l3:
             system = None
-        self.system, self.profile, self.engine, self.cfg = system, profile, engine, cfg
-        self.pages = HostPages(pool)
-        if self.pages.free_pages < 2 * STORAGE_BATCH_PAGES:
-            raise ValueError(f"host_pool_pages must be >= {2 * STORAGE_BATCH_PAGES}")
+        super().__init__(profile, engine, pool)
+        self.system, self.cfg = system, cfg  # (self.cfg: the serving knobs; engine_cfg: the engine's)
         self.pool = pool
-        self.hbm = HbmCache(engine.hbm_pages)
         store = getattr(getattr(system, "inner", None), "store", None)  # FlatCake: queued restores hold its writes
         self.lanes = make_lanes(cfg.scheduler, cfg.ssd_restores, getattr(store, "reads_pending", None))
         self._hbm_lock = threading.Lock()
@@ -233,15 +233,16 @@ class ServingModel:
             self._cv.notify_all()
 
     def _prefetch(self, r: Live) -> None:
-        P, thr, sysm = self.profile.page_size, self.engine.prefetch_threshold_tokens, self.system
+        P, sysm = self.profile.page_size, self.system
         rest = list(r.fetch_keys)
         if r.cancelled:  # its deadline passed before its hit query ran: admitted without L3
             return
-        if sysm is not None and rest and len(rest) * P >= thr:
+        if sysm is not None and self.asks_l3(len(rest)):
             t0 = time.perf_counter()
             hit = sysm.exists(rest, list(r.keys[: r.hbm_pages]))
             r.query_s = time.perf_counter() - t0
-            r.hit = max(0, min(int(hit), len(rest))) if hit * P >= thr else 0
+            hit = usable_hit(hit, len(rest))
+            r.hit = hit if self.asks_l3(hit) else 0
         if not r.hit:
             return self._set_ready(r)
         lead = self._inflight.get(rest[0])
@@ -269,12 +270,10 @@ class ServingModel:
         backlog (its writer may have put them on disk since), and the system's ``after_call``."""
         P, rest, prefix = self.profile.page_size, list(r.fetch_keys), list(r.keys[: r.hbm_pages])
         sysm = self.system
-        for b in range(0, r.hit, STORAGE_BATCH_PAGES):
-            if r.cancelled:
-                return
-            batch = rest[b: min(r.hit, b + STORAGE_BATCH_PAGES)]
-            host = r.host[b * P: (b + len(batch)) * P]
-            e = b + len(batch)
+
+        def read(b: int, e: int) -> int:
+            batch = rest[b:e]
+            host = r.host[b * P: e * P]
             if "queued" in r.media[b:e]:  # harness: still in the backlog now?
                 r.media = r.media[:b] + tuple(sysm.medium_summary(batch).media) + r.media[e:]
             t0 = time.perf_counter()
@@ -282,8 +281,9 @@ class ServingModel:
             r.read_s += time.perf_counter() - t0
             sysm.after_call()  # harness: e.g. file drops the page files it read from the page cache
             r.read_pages += got
-            if got < len(batch):
-                return
+            return got
+
+        read_batches(r.hit, read, lambda: r.cancelled)
 
     def _read_done(self, r: Live, op: LaneOp) -> None:
         r.lane, r.lane_wait_s = op.lane, op.started_s - op.submitted_s
@@ -304,36 +304,29 @@ class ServingModel:
         content = PageContent(self.pool)
         P = self.profile.page_size
         while (r := self._verify_q.get()) is not None:
-            for i in range(r.read_pages):  # every page read, also those a timeout left unused
-                if not content.verify(int(r.host[i * P]), r.fetch_keys[i]):
-                    r.verify_failures += 1
+            # every page read, also those a timeout left unused
+            r.verify_failures += verify_pages(content, r.host, r.fetch_keys, r.read_pages, P)
             self._free(r.host)
 
     # ------------------------------------------------------------------ backup
     def _backup_loop(self) -> None:
         content = PageContent(self.pool)
         P = self.profile.page_size
+
+        def write(batch, prefix_keys) -> Optional[bool]:
+            host = self._alloc(len(batch))
+            if host is None:  # no host pages now: the rest of this request is not backed up
+                return None
+            try:  # prepare_set / after_call around the set, untimed (file: flush and drop the pages)
+                return write_dense_batch(self.system, content, host, batch, prefix_keys, P)
+            finally:
+                self._free(host)
+
         while (r := self._backup_q.get()) is not None:
-            start = r.hbm_pages + r.delivered
-            todo = list(r.keys[start:])
-            for b in range(0, len(todo), STORAGE_BATCH_PAGES):
-                batch = todo[b: b + STORAGE_BATCH_PAGES]
-                host = self._alloc(len(batch))
-                if host is None:
-                    self.backup_skipped_pages += len(todo) - b
-                    break
-                try:
-                    for i, k in enumerate(batch):
-                        content.fill(int(host[i * P]), k)
-                    self.system.prepare_set(batch)  # harness, as the engine: untimed
-                    ok = self.system.set(batch, host, list(r.keys[: start + b]))
-                    self.system.after_call()  # file: count, flush and drop the page files written
-                finally:
-                    self._free(host)
-                if not ok:
-                    r.failed_write_pages += len(todo) - b
-                    break
-                r.written_pages += len(batch)
+            wb = write_batches(r.keys, r.hbm_pages + r.delivered, write)
+            r.written_pages += wb.written
+            r.failed_write_pages += wb.failed
+            self.backup_skipped_pages += wb.skipped
 
     # ------------------------------------------------------------------ GPU
     def _admit_locked(self, running: list[Live], now: float) -> None:
@@ -354,8 +347,8 @@ class ServingModel:
                 r.prefetch_s = now - r.arrival
             self._waiting.remove(r)
             r.t_admit = now
-            cached = (r.hbm_pages + r.delivered) * self.profile.page_size
-            r.prefill_left = max(1, r.prompt_tokens - cached)
+            new, _ = prefill_tokens(r.prompt_tokens, r.hbm_pages + r.delivered, self.profile.page_size)
+            r.prefill_left = max(1, new)  # one step at least: it gives the first token
             r.decode_total = min(r.output_tokens, self.cfg.max_output_tokens)
             r.decode_left = r.decode_total - 1  # the first token comes with the prefill
             running.append(r)
@@ -393,7 +386,7 @@ class ServingModel:
             for r in finishing:
                 r.t_first = now
                 with self._hbm_lock:
-                    self.hbm.insert(r.keys)
+                    self.insert(r.keys)
                 if self.system is not None:
                     self._backup_q.put(r)
             for r in [r for r in running if r.prefill_left == 0 and r.decode_left <= 0]:
@@ -450,13 +443,12 @@ class ServingModel:
 
     def _arrive(self, i: int, q: TraceRequest, ks: Sequence[str]) -> Live:
         r = Live(i, ks, q.prompt_tokens, max(1, q.output_tokens), time.monotonic())
-        P = self.profile.page_size
-        r.reusable_pages = reusable_pages(len(ks), q.prompt_tokens, P)
         with self._hbm_lock:
-            r.hbm_pages = self.hbm.match_prefix(ks[: r.reusable_pages])
-        span = len(r.fetch_keys) * P  # SGLang's requested span: its timeout budget, known before the query
-        if self.system is not None and span and span >= self.engine.prefetch_threshold_tokens:
-            r.timeout_s = self.engine.prefetch_timeout_s(span)
+            prefix = self.match(ks, q.prompt_tokens)
+        r.reusable_pages, r.hbm_pages = prefix.reusable, prefix.hbm
+        # SGLang's requested span: its timeout budget, known before the query
+        if self.system is not None and self.asks_l3(len(prefix.rest)):
+            r.timeout_s = self.prefetch_budget_s(prefix)
         with self._cv:
             self._waiting.append(r)
         self._query_q.put(r)

@@ -21,13 +21,13 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from flatcake.replay.engine import EngineConfig, ModelProfile, reusable_counts
-from flatcake.replay.keys import PageKeyer
 from flatcake.replay.serving import ServingConfig, serve
 from flatcake.replay.budget import EqualCapacity, check_disk_budget, equal_capacity
-from flatcake.replay.systems import FIXED_SCHEDULER, FLATCAKE_SYSTEMS, STORAGE_DIRS, make_system
+from flatcake.replay.startup import load_requests, make_replay_system
+from flatcake.replay.systems import FIXED_SCHEDULER, FLATCAKE_SYSTEMS, STORAGE_DIRS
 from flatcake.replay.figures import FIGURES, plot_sweep
 from flatcake.replay.report import policy_label, policy_note, scale_note, ssd_read_amplification
-from flatcake.replay.traces import ideal_hit_rate, load_trace
+from flatcake.replay.traces import ideal_hit_rate
 
 SCHEDULERS = ("fcfs", "mas")
 
@@ -80,11 +80,7 @@ def run_sweep(fc_keys: dict, settings: dict[str, Any], profile: ModelProfile, ec
             (checked unless ``settings["disk_budget"]`` is False).
     """
     out = Path(settings["out"])
-    reqs = load_trace(Path(settings["trace"]), max_requests=settings["max_requests"], sessions=settings["sessions"],
-                      session_gap_s=settings["session_gap_s"], skip_sessions=settings["skip_sessions"],
-                      max_context_tokens=settings["max_context_tokens"])
-    keyer = PageKeyer(profile.page_size)
-    keys = [keyer.keys(r) for r in reqs]
+    reqs, keys = load_requests(settings, profile)
     if settings["disk_budget"]:  # one system at a time, each on a fresh store
         unique = len({k for ks in keys for k in ks})
         check_disk_budget(settings["systems"], unique * profile.page_bytes, fc_keys, settings["file_extra"], out,
@@ -94,9 +90,7 @@ def run_sweep(fc_keys: dict, settings: dict[str, Any], profile: ModelProfile, ec
     runs = []
     for qps in rates:
         for sched, name in sweep_pairs(schedulers, settings["systems"]):
-            system = make_system(name, profile, settings["host_pool_pages"], out, fc_keys,
-                                 settings["file_extra"], settings["drop_page_cache"], settings["tiered_extra"],
-                                 mooncake_extra=settings.get("mooncake_extra"), equal_capacity=True)
+            system = make_replay_system(name, profile, settings, out, fc_keys)
             try:
                 s = serve(system, profile, ecfg, ServingConfig(qps=qps, scheduler=sched, ssd_restores=ssd_restores,
                                                             think_time_scale=settings["think_time_scale"]),

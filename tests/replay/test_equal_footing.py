@@ -21,10 +21,11 @@ import yaml
 
 from flatcake.config import load_config
 from flatcake.replay.budget import equal_capacity, flatcake_keys_at_equal_capacity
-from flatcake.replay.cli import REPLAY_DEFAULTS, _flatten, apply_scale, main, resolve_model, run_replay
+from flatcake.replay.cli import REPLAY_DEFAULTS, apply_scale, main, resolve_model, run_replay
 from flatcake.replay.engine import Engine, EngineConfig
 from flatcake.replay.keys import PageKeyer
 from flatcake.replay.serving import Live, ServingConfig, ServingModel, serving_summary
+from flatcake.replay.startup import storage_keys
 from flatcake.replay.systems import make_system
 from flatcake.replay.traces import TraceRequest
 from replay_fixtures import mooncake_path, tiny_profile  # noqa: F401  (pytest fixtures)
@@ -128,7 +129,7 @@ def test_file_pages_read_and_written_under_load_leave_the_page_cache(tmp_path, t
 def test_the_write_backlog_is_counted_in_flatcakes_dram_budget(tmp_path, tiny_profile):
     """Item 3: every system gets dram.capacity_bytes; FlatCake's DRAM medium is that less its
     write backlog (the demo's 256 MiB budget: 128 MiB medium + 128 MiB backlog)."""
-    demo = _flatten(load_config(ROOT / "configs" / "demo.yaml").model_dump(exclude={"model", "replay"}))
+    demo = storage_keys(load_config(ROOT / "configs" / "demo.yaml"))
     cap = equal_capacity(demo)
     assert (cap.dram_bytes, cap.flatcake_dram_bytes, cap.flatcake_write_backlog_bytes) == \
         (256 << 20, 128 << 20, 128 << 20)
@@ -161,7 +162,7 @@ def test_scale_divides_the_write_backlog_like_every_capacity(tmp_path):
     cfg, settings, profile = apply_scale(cfg, settings, resolve_model(cfg, ROOT / "configs"), 32)
     assert (cfg.dram.capacity_bytes, cfg.ssd.write_backlog_bytes) == (8 << 20, 4 << 20)
     assert profile.page_bytes == (768 << 10) // 32
-    fc_keys = _flatten(cfg.model_dump(exclude={"model", "replay"}))
+    fc_keys = storage_keys(cfg)
     system = make_system("flatcake", profile, 256, tmp_path, fc_keys, equal_capacity=True)
     try:
         assert (system.inner.cfg.dram.capacity_bytes, system.inner.cfg.ssd.write_backlog_bytes) == (4 << 20, 4 << 20)
@@ -188,9 +189,9 @@ def test_a_backlog_larger_than_the_dram_budget_is_refused_naming_both_keys(tmp_p
 def _hold_the_writer(monkeypatch):
     """Every FlatCake the replay builds keeps its SSD rounds in its write backlog (a restore marked
     in flight on its queue holds the writer) until its final counters are read."""
-    import flatcake.replay.cli as cli
+    import flatcake.replay.startup as startup
 
-    real = cli.make_system
+    real = startup.make_system
 
     def make(name, *a, **k):
         system = real(name, *a, **k)
@@ -206,7 +207,7 @@ def _hold_the_writer(monkeypatch):
             system.counters = release_then_count
         return system
 
-    monkeypatch.setattr(cli, "make_system", make)
+    monkeypatch.setattr(startup, "make_system", make)  # every replay builds its systems there
 
 
 def test_pages_served_from_the_write_backlog_are_backlog_hits_not_ssd_hits(tmp_path, mooncake_path, tiny_profile,
