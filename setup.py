@@ -3,7 +3,7 @@
 Everything else about the package is in ``pyproject.toml``; this file only declares the
 extension, which setuptools compiles at ``pip install`` / ``pip wheel`` (and ``pip install -e
 .`` builds it in place, beside ``flatcake/__init__.py``). A C compiler is needed then, none at
-run time: :mod:`flatcake.native_loop` loads the built object with :mod:`ctypes` by the module's
+run time: :mod:`flatcake.native.loops` loads the built object with :mod:`ctypes` by the module's
 ``__file__`` and binds each loop's functions by name.
 
 Flags: ``-O3`` for every loop (the device checksum's under the old run-time compile, the others
@@ -34,7 +34,7 @@ SOURCES = ["module.c", "plan.c", "restore.c", "zero_copy.c", "gather.c", "write.
 
 def source_hash(csrc: Path) -> str:
     """sha256 (hex) over the names and bytes of ``csrc``'s ``*.c`` and ``*.h`` files, sorted by
-    name; the same function as :func:`flatcake.native_loop.source_hash`."""
+    name; the same function as :func:`flatcake.native.loops.source_hash`."""
     h = hashlib.sha256()
     for p in sorted(list(csrc.glob("*.c")) + list(csrc.glob("*.h")), key=lambda p: p.name):
         h.update(p.name.encode() + b"\0" + p.read_bytes() + b"\0")

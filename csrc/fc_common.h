@@ -1,6 +1,6 @@
 /* Shared by FlatCake's C loops (the extension flatcake._native, built by setup.py).
  *
- * FC_API marks the entry points Python binds through ctypes (flatcake/native_loop.py loads the
+ * FC_API marks the entry points Python binds through ctypes (flatcake/native/loops.py loads the
  * extension's file with ctypes.CDLL); everything else is compiled with -fvisibility=hidden. */
 #ifndef FC_COMMON_H
 #define FC_COMMON_H

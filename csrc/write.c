@@ -1,4 +1,4 @@
-/* A deferred round's pieces written in one GIL-free call: fc_write_pieces (flatcake/native_write.py,
+/* A deferred round's pieces written in one GIL-free call: fc_write_pieces (flatcake/store/native_write.py,
  * the write queue's writer thread).
  *
  * Writes n bytes at addr to fd at file offset off, in pieces ending at the file offsets ends[]

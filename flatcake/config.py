@@ -30,7 +30,7 @@ from typing import Any, Literal, Mapping, Optional, Tuple
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
-from flatcake.align import ALIGN
+from flatcake.common.align import ALIGN
 
 #: Keys SGLang passes through the extra config that are not FlatCake settings.
 SGLANG_RESERVED_KEYS = frozenset(

@@ -3,7 +3,7 @@ the C loops' states (``docs/metrics.md``).
 
 SGLang's storage histograms (``sglang:prefetch_pgs`` ...) see only what ``get_stats()`` reports
 per call. This module exports FlatCake's cumulative view of one
-:class:`~flatcake.store.PageStore` under names prefixed ``flatcake_``.
+:class:`~flatcake.store.page_store.PageStore` under names prefixed ``flatcake_``.
 
 Why plain ``Counter``/``Gauge`` objects, updated from :meth:`PageStore.snapshot_stats`, and not
 a custom collector read at scrape time: with ``--enable-metrics`` SGLang runs
@@ -24,7 +24,7 @@ import logging
 import threading
 from typing import Optional
 
-from flatcake.native_loop import STATES as NATIVE_STATES
+from flatcake.native.loops import STATES as NATIVE_STATES
 
 log = logging.getLogger("flatcake")
 

@@ -6,7 +6,7 @@ development machine for 2 KiB-512 KiB chunks, against 10-13 GB/s for the native 
 docs/performance.md), too slow for a write path that must keep up with the disk. The same
 arithmetic in a 20-line C loop (``csrc/fcds.c``, built into FlatCake's extension at install,
 with AVX2 / AVX-512 variants chosen at load on x86-64, and bound through :mod:`ctypes`;
-:mod:`flatcake.native_loop`) makes one pass. Where the extension was not built it falls back
+:mod:`flatcake.native.loops`) makes one pass. Where the extension was not built it falls back
 to :func:`~flatcake.kernels.device_checksum.fcds_numpy` (same bits; logged once at WARNING and
 reported as the ``fcds`` loop's state).
 """
@@ -18,7 +18,7 @@ import ctypes
 import numpy as np
 
 from flatcake.kernels.device_checksum import fcds_numpy
-from flatcake.native_loop import NativeLoop, chunk_starts, entry
+from flatcake.native.loops import NativeLoop, chunk_starts, entry
 
 
 def _build():
@@ -39,7 +39,7 @@ def native() -> bool:
 
 def warm_up() -> None:
     """Bind the C loop, and every other C loop, from the extension
-    (:func:`flatcake.native_loop.warm_up_all`)."""
+    (:func:`flatcake.native.loops.warm_up_all`)."""
     LOOP.warm_up()
 
 

@@ -2,7 +2,7 @@
 
 ``scatter_chunks(staging, src_offsets, layout, page_ids, layer_ids, impl)`` copies chunk ``i``
 (``layout.geometry.chunk_bytes`` bytes at ``staging[src_offsets[i]:]``) into page
-``page_ids[i]``, layer ``layer_ids[i]`` of ``layout`` (see :mod:`flatcake.layout`).
+``page_ids[i]``, layer ``layer_ids[i]`` of ``layout`` (see :mod:`flatcake.common.layout`).
 
 Implementations:
 
@@ -12,7 +12,7 @@ Implementations:
   plane), in the widest word the offsets allow, without an intermediate buffer; on CPU through
   numpy views of the same memory (see :func:`_torch_scatter`); the CPU path.
 * ``triton`` — one kernel launch per group of planes with equal strides. Every destination
-  plane view of a :class:`~flatcake.layout.KvPageLayout` is ``[num_pages, page_size, row_bytes]``
+  plane view of a :class:`~flatcake.common.layout.KvPageLayout` is ``[num_pages, page_size, row_bytes]``
   with unit stride in the row, so a chunk's plane is ``page_size`` rows of ``row_bytes`` at
   ``base(layer, plane) + page * page_stride + token * token_stride``. The host computes one
   destination word offset per (chunk, plane) from the views' base pointers and strides (so MHA
@@ -269,7 +269,7 @@ def scatter_chunks(staging, src_offsets, layout, page_ids, layer_ids, impl: str 
     Args:
         staging: uint8 1-D tensor holding the chunks (host or device, same device as ``layout``).
         src_offsets: int64 ``[n]`` byte offsets of each chunk in ``staging`` (CPU tensor).
-        layout: :class:`flatcake.layout.KvPageLayout` of the destination buffer.
+        layout: :class:`flatcake.common.layout.KvPageLayout` of the destination buffer.
         page_ids: int64 ``[n]`` destination page index per chunk (CPU tensor).
         layer_ids: int64 ``[n]`` destination layer per chunk (CPU tensor).
         impl: ``"torch"`` (strided word copies), ``"triton"``, ``"auto"`` or ``"reference"``

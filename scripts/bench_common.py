@@ -160,7 +160,7 @@ def percentile(values: Sequence[float], q: float) -> float:
 
 def aligned(nbytes: int):
     """A page-aligned uint8 numpy host buffer of at least ``nbytes`` bytes (for O_DIRECT I/O)."""
-    from flatcake.align import align_up
+    from flatcake.common.align import align_up
     from flatcake.media.directio import aligned_host_buffer
 
     return aligned_host_buffer(align_up(nbytes))[1]
@@ -171,7 +171,7 @@ def prefaulted(nbytes: int):
     policy (``aligned_host_buffer(huge=True)``: ``MADV_HUGEPAGE`` unless ``FLATCAKE_HUGEPAGES=0``,
     every page faulted in now), for a baseline's buffers: made once, outside the timed region,
     as FlatCake's staging windows are (issue 23, item 7). The array keeps the mapping alive."""
-    from flatcake.align import align_up
+    from flatcake.common.align import align_up
     from flatcake.media.directio import aligned_host_buffer
 
     return aligned_host_buffer(align_up(max(1, nbytes)), huge=True)[1]  # np.frombuffer holds the mapping

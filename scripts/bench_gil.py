@@ -75,7 +75,7 @@ import torch  # noqa: E402
 
 from bench_common import PROFILES, cpu_seconds, drop_tree, flatcake_backend, make_host_pool, percentile, write_json  # noqa: E402
 from flatcake.config import STORAGE_BATCH_PAGES  # noqa: E402
-from flatcake.layout import SUPPORTED_LAYOUTS  # noqa: E402
+from flatcake.common.layout import SUPPORTED_LAYOUTS  # noqa: E402
 
 #: The spinning process of the every-core-busy run (``python -c HOG_SOURCE <parent pid>``): burns
 #: CPU until its parent is gone (also when the parent died before it started).

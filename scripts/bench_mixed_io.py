@@ -90,8 +90,8 @@ def open_store(pool, directory: str, backlog_bytes: int, nbytes: int):
     sessions (``placement.l_agent_tokens`` 1024) so a full backlog makes the writer wait,
     never drops them."""
     from flatcake.config import load_config
-    from flatcake.layout import KvPageLayout
-    from flatcake.store import PageStore
+    from flatcake.common.layout import KvPageLayout
+    from flatcake.store.page_store import PageStore
 
     lay = KvPageLayout.from_host_pool(pool)
     mib = 1 << 20
@@ -233,7 +233,7 @@ def raw_disk(base: Path, nbytes: int = 512 << 20, block: int = 16 << 20) -> dict
 
 def pool_page_bytes(pool) -> int:
     """Bytes of one page of ``pool`` on every layer."""
-    from flatcake.layout import KvPageLayout
+    from flatcake.common.layout import KvPageLayout
 
     return KvPageLayout.from_host_pool(pool).geometry.page_bytes
 

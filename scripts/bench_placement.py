@@ -39,8 +39,8 @@ from bench_common import cluster_refusal, write_json  # noqa: E402
 def _start(cluster, root, args):
     from flatcake.cluster.agent import node_config
     from flatcake.cluster.placement_agent import PlacementAgentClient
-    from flatcake.layout import PageGeometry
-    from flatcake.write_path import round_extent_bytes
+    from flatcake.common.layout import PageGeometry
+    from flatcake.store.write_path import round_extent_bytes
 
     g = PageGeometry(args.layers, args.page_size, (64, 64))  # the agent's pool: 2 heads x 16 dims, bf16
     extent = -(-round_extent_bytes(args.pages, g) // 4096) * 4096

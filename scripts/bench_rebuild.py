@@ -34,10 +34,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import write_json  # noqa: E402
 from flatcake.adapter.host_pool import MHAHostPoolDouble  # noqa: E402
 from flatcake.config import STORAGE_BATCH_PAGES, load_config  # noqa: E402
-from flatcake.layout import KvPageLayout  # noqa: E402
+from flatcake.common.layout import KvPageLayout  # noqa: E402
 from flatcake.media.directio import drop_page_cache  # noqa: E402
 from flatcake.replay.engine import PageContent  # noqa: E402
-from flatcake.store import PageStore  # noqa: E402
+from flatcake.store.page_store import PageStore  # noqa: E402
 
 LAYERS, HEADS, HEAD_DIM = 16, 8, 64  # Llama-3.2-1B: 32 KiB of KV per token (bf16)
 

@@ -86,9 +86,9 @@ from bench_common import (PROFILES, FioRead, cpu_seconds, drop_tree, flatcake_ba
                           pool_digest, prefaulted)
 from fio_limit import ratio_to_fio  # noqa: E402
 from native.pagewise import PagewiseReader, Segments  # noqa: E402
-from flatcake.align import align_up  # noqa: E402
+from flatcake.common.align import align_up  # noqa: E402
 from flatcake.config import STORAGE_BATCH_PAGES  # noqa: E402
-from flatcake.layout import SUPPORTED_LAYOUTS, KvPageLayout  # noqa: E402
+from flatcake.common.layout import SUPPORTED_LAYOUTS, KvPageLayout  # noqa: E402
 from flatcake.replay.systems import storage_config  # noqa: E402
 
 SYSTEMS = ("flatcake", "hicache_file", "scattered", "scattered-layerwise", "sequential")

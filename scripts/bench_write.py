@@ -66,9 +66,9 @@ import torch  # noqa: E402
 
 from bench_common import PROFILES, aligned, cpu_seconds, flatcake_backend, make_host_pool, write_json  # noqa: E402
 from fio_limit import IODEPTH, fio_limit, ratio_to_fio  # noqa: E402
-from flatcake.align import align_up  # noqa: E402
+from flatcake.common.align import align_up  # noqa: E402
 from flatcake.config import STORAGE_BATCH_PAGES  # noqa: E402
-from flatcake.layout import SUPPORTED_LAYOUTS  # noqa: E402
+from flatcake.common.layout import SUPPORTED_LAYOUTS  # noqa: E402
 
 SYSTEMS = ("flatcake", "hicache_file", "sequential")
 

@@ -57,7 +57,7 @@ from flatcake.cio.plan import batch_reads, plan_reads  # noqa: E402
 from flatcake.media.directio import aligned_host_buffer  # noqa: E402
 from flatcake.config import CioConfig  # noqa: E402
 from flatcake.kernels.scatter import scatter_chunks  # noqa: E402
-from flatcake.layout import KvPageLayout  # noqa: E402
+from flatcake.common.layout import KvPageLayout  # noqa: E402
 from flatcake.media.directio import drop_page_cache  # noqa: E402
 from gpu_check_verify import device_verify_check, markdown_row  # noqa: E402
 from linker_restore import LINKER_IMPORT, measure as linker_measure  # noqa: E402

@@ -25,7 +25,7 @@ from flatcake.cio.pagecopy import checksums_at
 from flatcake.config import CioConfig
 from flatcake.kernels.device_checksum import fcds_at
 from flatcake.kernels.fcds_native import fcds_host_at
-from flatcake.layout import KvPageLayout
+from flatcake.common.layout import KvPageLayout
 from flatcake.media.directio import drop_page_cache
 
 GB = 1e9

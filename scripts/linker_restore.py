@@ -6,7 +6,7 @@ device pools) and ``scripts/bench_linker.py`` (the CPU bench, per page size).
 What runs is what :class:`flatcake.FlatCakeLinker` runs for a load batch (``flatcake/linker/
 linker.py`` ``_read_batch``): the device pool mapped by :func:`flatcake.linker.device_kv.device_kv_of`
 (SGLang's ``MHATokenToKVPool`` / ``MLATokenToKVPool`` are duck-typed there: ``k_buffer`` /
-``v_buffer`` lists, or ``kv_buffer`` + ``kv_cache_dim``), then :meth:`flatcake.store.PageStore.
+``v_buffer`` lists, or ``kv_buffer`` + ``kv_cache_dim``), then :meth:`flatcake.store.page_store.PageStore.
 get_layer_wise` over :func:`flatcake.linker.layer_loads.layer_groups` (one FC-CIO read per layer:
 sorted, merged reads into the staging window, verify, scatter into the device slots), the callback
 marking each layer usable. The SGLang wrapper around it (lookup, the layer counter) needs SGLang,
@@ -32,7 +32,7 @@ import torch
 
 from flatcake.config import config_from_extra
 from flatcake.media.directio import drop_page_cache
-from flatcake.store import PageStore
+from flatcake.store.page_store import PageStore
 
 
 # the linker's own functions; ``flatcake.linker`` imports SGLang only for the class itself (lazily),

@@ -209,7 +209,7 @@ def worker(args) -> int:
     pool = MHAHostPoolDouble(args.threads * HOST_PAGES_PER_THREAD * PAGE_TOKENS + 1024, PAGE_TOKENS, LAYERS, HEADS,
                              HEAD_DIM, layout="page_first")
     be.register_mem_pool_host(pool)
-    from flatcake import native_write
+    from flatcake.store import native_write
     from flatcake.cio import native_restore
 
     for loop in (native_restore.LOOP, native_write.LOOP):  # the shipped paths run from the first op
@@ -246,7 +246,7 @@ def worker(args) -> int:
 def report(run_dir: Path, inc: int, clients, faults: Faults, after: int, max_fds: int, final: bool = False) -> None:
     out = {k: sum(c.c[k] for c in clients) for k in clients[0].c}
     injected = faults.report()
-    from flatcake import native_loop
+    from flatcake.native import loops as native_loop
 
     out.update(faults_injected=sum(f["count"] for f in injected), faults=injected, pages_served_after_restart=after,
                max_open_fds=max_fds, final=final, native_loops={n: r["state"] for n, r in native_loop.report().items()})

@@ -62,12 +62,12 @@ def write_pages(be, pool, keys, pages, prefix=()):
 
 def make_store(ssd_dir: str, *, mla=False, layout="page_first", pages=64, page_size=4, layers=3, role="single",
                **overrides):
-    """A core :class:`~flatcake.store.PageStore` without SGLang: ``(store, pool, kv_layout)`` over a
+    """A core :class:`~flatcake.store.page_store.PageStore` without SGLang: ``(store, pool, kv_layout)`` over a
     host-pool double; ``overrides`` are dotted config keys (``ssd.file_bytes=...`` as
     ``**{"ssd.file_bytes": ...}``). Defaults: 4 pool files of 8 MiB, DRAM off."""
     from flatcake.config import load_config
-    from flatcake.layout import KvPageLayout
-    from flatcake.store import PageStore
+    from flatcake.common.layout import KvPageLayout
+    from flatcake.store.page_store import PageStore
 
     cfg = load_config(None, {"ssd.path": ssd_dir, "ssd.file_bytes": 8 << 20, "ssd.max_files": 4,
                              "dram.capacity_bytes": 0, **overrides})

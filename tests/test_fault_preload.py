@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from flatcake import native_loop
+from flatcake.native import loops as native_loop
 from flatcake.testing import fault_preload
 
 HERE = Path(__file__).resolve().parent
@@ -26,7 +26,7 @@ CHILD = textwrap.dedent("""
     import json, sys
     sys.path.insert(0, {tests!r})
     from flatcake_testkit import fill_page, make_store, page_matches, put_pages
-    from flatcake import native_write
+    from flatcake.store import native_write
     from flatcake.cio import native_restore
     from flatcake.testing.fault_preload import Interposer
 

@@ -39,7 +39,7 @@ def open_fds() -> int:
 # ---------------------------------------------------------------- 1. DRAM slots: one owner, identity checked
 def test_a_dram_write_that_fails_part_way_leaves_no_slot_with_two_owners(ssd_dir, monkeypatch):
     store, pool, lay = make_store(ssd_dir, **DRAM)
-    import flatcake.write_path as write_path_mod
+    import flatcake.store.write_path as write_path_mod
 
     real = write_path_mod.gather_pages
     calls = {"n": 0}

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from flatcake import native_loop
-from flatcake.native_loop import NativeLoop
+from flatcake.native import loops as native_loop
+from flatcake.native.loops import NativeLoop
 
 #: the loops every start-up reports, in order
 LOOPS = ["restore", "plan", "zero_copy", "gather", "write", "xxh3", "fcds"]
@@ -30,7 +30,7 @@ BUILT = native_loop.library()[0] is not None
 needs_ext = pytest.mark.skipif(not BUILT and not HAS_CC, reason="extension not built and no C compiler to build it")
 #: a child hides the extension from the import, as on an install that did not build it
 HIDDEN = ("import sys; sys.modules['flatcake._native'] = None\n"
-          "from flatcake.native_loop import main\n"
+          "from flatcake.native.loops import main\n"
           "raise SystemExit(main(sys.argv[1:]))\n")
 
 
@@ -65,7 +65,7 @@ def test_the_extension_was_built_from_the_sources_in_csrc():
 
 
 def test_a_loop_forced_off_in_the_process_reports_fallback(monkeypatch):
-    from flatcake import native_write
+    from flatcake.store import native_write
 
     monkeypatch.setitem(native_write.LOOP.state, "fn", None)
     assert native_loop.report()["write"] == {"state": "fallback",
@@ -74,7 +74,7 @@ def test_a_loop_forced_off_in_the_process_reports_fallback(monkeypatch):
 
 def test_a_fallback_is_logged_at_warning_with_its_reason(caplog):
     loop = NativeLoop(lambda: (None, "no extension here"), "FC_TEST_NATIVE", "the Python loop")
-    with caplog.at_level(logging.WARNING, logger="flatcake.native_loop"):
+    with caplog.at_level(logging.WARNING, logger="flatcake.native.loops"):
         assert loop.fn() is None
         assert loop.fn() is None and loop.report() == ("fallback", "no extension here")
     assert [r.getMessage() for r in caplog.records] == [  # once

@@ -14,9 +14,9 @@ from flatcake.cio.native_restore import dst_table
 from flatcake.gva.address import MEDIUM_DRAM, MEDIUM_SSD, OFFSET_MASK, encode_gva
 from flatcake.gva.index import GvaIndex, PageEntry, SessionScope, pin_entries, scope_runs
 from flatcake.gva.placement import ReuseScope
-from flatcake.layout import PageGeometry
-from flatcake.read_path import ReadPath, split_media
-from flatcake.write_queue import MEDIUM_QUEUED
+from flatcake.common.layout import PageGeometry
+from flatcake.store.read_path import ReadPath, split_media
+from flatcake.store.write_queue import MEDIUM_QUEUED
 
 L, CB, FILE = 3, 4096, 1 << 20
 

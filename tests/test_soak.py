@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from flatcake import native_loop
+from flatcake.native import loops as native_loop
 
 ROOT = Path(__file__).resolve().parents[1]
 

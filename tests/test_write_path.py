@@ -11,10 +11,10 @@ import flatcake_testkit as testkit
 from flatcake_testkit import fill_page, two_requests_share
 
 from flatcake.gva.address import MEDIUM_DRAM, MEDIUM_SSD, decode_gva
-from flatcake.layout import PageGeometry
+from flatcake.common.layout import PageGeometry
 from flatcake.media import extent as fmt
 from flatcake.media.errors import PoolFileGone
-from flatcake.write_path import MAX_ROUND_PAGES, max_round_pages
+from flatcake.store.write_path import MAX_ROUND_PAGES, max_round_pages
 from kernels.device_checksum import fcds_chunks
 
 

@@ -1,4 +1,4 @@
-"""The SSD write path's pipelined slabs (flatcake.write_path._write_data): a round written as
+"""The SSD write path's pipelined slabs (flatcake.store.write_path._write_data): a round written as
 several 4 KiB-aligned slab writes reads back bit-exact with verified checksums, and a slab
 write that fails is a failed put that publishes nothing."""
 
@@ -8,7 +8,7 @@ import errno
 
 import pytest
 
-import flatcake.write_path as write_path_mod
+import flatcake.store.write_path as write_path_mod
 from flatcake.media.errors import ShortWrite
 from tests import flatcake_testkit as testkit
 from tests.flatcake_testkit import page_matches, put_pages

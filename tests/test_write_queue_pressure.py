@@ -19,7 +19,7 @@ import time
 import torch
 from flatcake_testkit import make_store, page_matches, put_pages
 
-import flatcake.write_queue as wq
+import flatcake.store.write_queue as wq
 from flatcake.gva import journal as jmod
 from flatcake.media import extent as fmt
 

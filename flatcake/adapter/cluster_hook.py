@@ -18,7 +18,7 @@ def start_member(cfg, store, namespace: str):
 
     Args:
         cfg: the validated :class:`~flatcake.config.FlatCakeConfig`.
-        store: the opened :class:`~flatcake.store.PageStore`.
+        store: the opened :class:`~flatcake.store.page_store.PageStore`.
         namespace: the store's namespace.
 
     Raises:

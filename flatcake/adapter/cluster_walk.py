@@ -28,10 +28,10 @@ def hit_run(store, cluster, keys: Sequence[str], prefix_keys: Optional[list]) ->
     """Length of the leading run of ``keys`` held by this node or, where ``cluster`` (a
     :class:`~flatcake.cluster.member.ClusterMember`, or None) is set, by other nodes.
     Memory only: never the network. The first local run feeds the store's placement signals
-    (:meth:`~flatcake.store.PageStore.leading_run`), as without a cluster.
+    (:meth:`~flatcake.store.page_store.PageStore.leading_run`), as without a cluster.
 
     Args:
-        store: the :class:`~flatcake.store.PageStore`.
+        store: the :class:`~flatcake.store.page_store.PageStore`.
         cluster: the member, or None (this node alone).
         keys: page keys of the request, in prefix order.
         prefix_keys: SGLang's ``extra_info.prefix_keys`` (keys before ``keys[0]``), or None.
@@ -55,10 +55,10 @@ def read_run(store, cluster, keys: Sequence[str], layout, page_ids) -> list[bool
     store, other nodes' runs through ``cluster.fill`` (verified bytes only).
 
     Args:
-        store: the :class:`~flatcake.store.PageStore`.
+        store: the :class:`~flatcake.store.page_store.PageStore`.
         cluster: the member, or None (local reads only, exactly as without a cluster).
         keys: page keys, in prefix order.
-        layout: the destination :class:`~flatcake.layout.KvPageLayout`.
+        layout: the destination :class:`~flatcake.common.layout.KvPageLayout`.
         page_ids: int page ids in ``layout`` (a list or an int64 tensor), one per key.
 
     Returns:

@@ -17,7 +17,7 @@ import mmap
 import numpy as np
 import torch
 
-from flatcake.layout import SUPPORTED_LAYOUTS
+from flatcake.common.layout import SUPPORTED_LAYOUTS
 
 _LAYOUTS = SUPPORTED_LAYOUTS  # the layouts SGLang 0.5.23 pairs with an L3 backend that FlatCake reads
 

@@ -56,7 +56,7 @@ import threading
 import time
 from typing import Any, Callable, Optional
 
-from flatcake.errorlog import ErrorLog
+from flatcake.common.errorlog import ErrorLog
 from flatcake.mas.lanes import LaneOp, MediumAwareLanes
 
 log = logging.getLogger("flatcake.plugin")
@@ -67,7 +67,7 @@ HOOK_TARGET = "sglang.srt.managers.cache_controller.HiCacheController.prefetch_i
 ENV_SWITCH = "FLATCAKE_PLUGIN"
 _OFF = ("0", "off", "false", "no")
 
-_errors = ErrorLog(log)  # failures: each kind logged once, all counted (flatcake.errorlog)
+_errors = ErrorLog(log)  # failures: each kind logged once, all counted (flatcake.common.errorlog)
 _said: set[str] = set()
 _said_lock = threading.Lock()
 _ids = itertools.count()

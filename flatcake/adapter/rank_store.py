@@ -1,4 +1,4 @@
-"""One :class:`~flatcake.store.PageStore` per rank, whichever SGLang door opened it.
+"""One :class:`~flatcake.store.page_store.PageStore` per rank, whichever SGLang door opened it.
 
 FlatCake reaches SGLang through two doors: the HiCache L3 backend
 (:class:`flatcake.adapter.storage.FlatCakeStorage`, pages through SGLang's host pool) and the
@@ -21,7 +21,7 @@ from __future__ import annotations
 import threading
 from typing import Optional, Sequence
 
-from flatcake.layout import PageGeometry
+from flatcake.common.layout import PageGeometry
 
 _lock = threading.Lock()
 _stores: dict = {}
@@ -32,7 +32,7 @@ def _key(paths: Sequence[str], geometry: PageGeometry) -> tuple:
 
 
 def publish(store) -> None:
-    """Offer ``store`` (an open :class:`~flatcake.store.PageStore`) to the other door of this
+    """Offer ``store`` (an open :class:`~flatcake.store.page_store.PageStore`) to the other door of this
     rank. A store already published under the same ``ssd.path`` and geometry is replaced."""
     with _lock:
         _stores[_key(store.cfg.ssd.paths, store.geometry)] = store

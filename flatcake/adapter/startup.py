@@ -9,7 +9,7 @@ i.e. once the page size in bytes is known:
 * :func:`startup_line` is the one line each rank logs (logger ``flatcake``, INFO): resolved
   capacity per medium, the I/O engine and the pool identity (directory, file prefix, and the
   DP rank and slot or ``ssd.pool_id`` it was named by, :mod:`flatcake.adapter.identity`), and
-  each C loop's state (:func:`native_summary`, :mod:`flatcake.native_loop`);
+  each C loop's state (:func:`native_summary`, :mod:`flatcake.native.loops`);
 * :func:`native_warning` is the WARNING logged when a C loop fell back (named, with its reason);
 * :func:`default_path_warning` is the WARNING logged when ``ssd.path`` was left to its default;
 * :func:`prefix_keys_warning` is the WARNING logged when SGLang runs with
@@ -25,8 +25,8 @@ from __future__ import annotations
 from typing import Mapping, Optional
 
 from flatcake.config import STORAGE_BATCH_PAGES, ConfigError, FlatCakeConfig, default_ssd_path
-from flatcake.layout import PageGeometry
-from flatcake.write_path import round_extent_bytes
+from flatcake.common.layout import PageGeometry
+from flatcake.store.write_path import round_extent_bytes
 
 _MIB = 1 << 20
 
@@ -75,7 +75,7 @@ def startup_line(stats: Mapping, *, ssd_path: str, pool_prefix: str, file_bytes:
     """The one start-up line of a rank: what it serves and where.
 
     Args:
-        stats: :meth:`flatcake.store.PageStore.snapshot_stats` (``media`` capacities in bytes,
+        stats: :meth:`flatcake.store.page_store.PageStore.snapshot_stats` (``media`` capacities in bytes,
             ``cio_engine``).
         ssd_path: the resolved ``ssd.path`` directory (the first drive's; with several drives
             the line lists every drive from ``stats["media"]["ssd"]["drives"]``).
@@ -89,7 +89,7 @@ def startup_line(stats: Mapping, *, ssd_path: str, pool_prefix: str, file_bytes:
         page_bytes: bytes of one page (all layers).
         ranks: the rank this instance serves, e.g. ``"tp 0/8 pp 0/1 dp 0"``.
         role: ``single``, ``writer`` or ``follower`` (MLA with TP > 1).
-        native_loops: :func:`flatcake.native_loop.report` (each C loop's state), listed at the
+        native_loops: :func:`flatcake.native.loops.report` (each C loop's state), listed at the
             end (:func:`native_summary`); ``None``: not listed.
 
     Returns:
@@ -111,7 +111,7 @@ def startup_line(stats: Mapping, *, ssd_path: str, pool_prefix: str, file_bytes:
 
 def native_summary(loops: Mapping) -> str:
     """Every C loop by state, e.g. ``C loops native (restore, plan, gather, write, xxh3, fcds),
-    off (zero_copy)``; ``loops``: :func:`flatcake.native_loop.report`."""
+    off (zero_copy)``; ``loops``: :func:`flatcake.native.loops.report`."""
     groups: dict = {}
     for name, r in loops.items():
         groups.setdefault(r["state"], []).append(name)
@@ -121,7 +121,7 @@ def native_summary(loops: Mapping) -> str:
 
 def native_warning(loops: Mapping) -> Optional[str]:
     """The WARNING to log when a C loop fell back (each named with its reason), else None;
-    ``loops``: :func:`flatcake.native_loop.report`."""
+    ``loops``: :func:`flatcake.native.loops.report`."""
     fell = [f"{n} ({r['reason']})" for n, r in loops.items() if r["state"] == "fallback"]
     if not fell:
         return None

@@ -1,4 +1,4 @@
-"""``FlatCakeStorage``: the SGLang ``HiCacheStorage`` (L3) adapter over :class:`flatcake.store.PageStore`.
+"""``FlatCakeStorage``: the SGLang ``HiCacheStorage`` (L3) adapter over :class:`flatcake.store.page_store.PageStore`.
 
 Lifecycle (as SGLang 0.5.23's ``HiCacheController.attach_storage_backend`` drives it)::
 
@@ -32,8 +32,8 @@ import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
 
 from flatcake.config import FlatCakeConfig, config_from_extra
-from flatcake.errorlog import ErrorLog
-from flatcake.layout import KvPageLayout, UnsupportedLayoutError
+from flatcake.common.errorlog import ErrorLog
+from flatcake.common.layout import KvPageLayout, UnsupportedLayoutError
 from flatcake.adapter.v2 import HybridPoolsMixin, is_logical_anchor
 from flatcake.adapter.identity import (PoolIdentity, base_identity, dp_rank_of, expand_advertise, expand_ssd_paths,
                                        open_pool, rank_port_offset, rank_values, sglang_replica)
@@ -42,11 +42,11 @@ from flatcake.adapter.cluster_hook import start_member, stop_member
 from flatcake.adapter.cluster_walk import hit_run, read_run
 from flatcake.adapter.startup import (check_file_bytes, default_path_warning, native_warning, prefix_keys_warning,
                                       startup_line)
-from flatcake import native_loop
+from flatcake.native import loops as native_loop
 from flatcake.media.pool_dir import check_pool_dir
 from flatcake.metrics import REFRESH_S, SGLANG_METHODS, make_exporter
-from flatcake.store import MediumSummary, PageStore
-from flatcake.write_queue import BacklogBudget
+from flatcake.store.page_store import MediumSummary, PageStore
+from flatcake.store.write_queue import BacklogBudget
 
 log = logging.getLogger("flatcake")
 
@@ -210,7 +210,7 @@ class FlatCakeStorage(HybridPoolsMixin, HiCacheStorage):
         """Log this rank's start-up line (INFO) and a WARNING each when ``ssd.path`` is the
         per-user default, SGLang passes no prefix keys or a C loop fell back
         (:mod:`flatcake.adapter.startup`); the namespace goes to DEBUG. Binds every C loop of
-        the extension first (:func:`flatcake.native_loop.wait_all`; no compiler runs)."""
+        the extension first (:func:`flatcake.native.loops.wait_all`; no compiler runs)."""
         sc, store = self.storage_config, self.store
         ranks = (f"tp {sc.tp_rank}/{sc.tp_size} pp {sc.pp_rank}/{sc.pp_size} {ident.base}" if sc else ident.base)
         native_loop.wait_all()
@@ -292,7 +292,7 @@ class FlatCakeStorage(HybridPoolsMixin, HiCacheStorage):
             return 0
 
     def medium_summary(self, keys: List[str]):
-        """:class:`~flatcake.store.MediumSummary` of ``keys``: pages on DRAM, pages and bytes on
+        """:class:`~flatcake.store.page_store.MediumSummary` of ``keys``: pages on DRAM, pages and bytes on
         SSD (FC-MAS puts the request's prefetch in the DRAM or the SSD lane by it; paper §3.2).
         Before the host pool is registered, or after close, every key counts on neither medium.
         With a logical KV anchor (DeepSeek-V4) the extra pools' pages count. Never raises."""
@@ -459,13 +459,13 @@ class FlatCakeStorage(HybridPoolsMixin, HiCacheStorage):
                     log.warning("flatcake close: %s", e)
 
     def flatcake_stats(self) -> dict:
-        """FlatCake's cumulative counters (see :class:`flatcake.store.StoreStats`); with a
+        """FlatCake's cumulative counters (see :class:`flatcake.store.page_store.StoreStats`); with a
         cluster also ``cluster`` (:meth:`flatcake.cluster.member.ClusterMember.stats`); while the
         FC-MAS plugin drives the prefetches also ``mas_lanes``
         (:meth:`flatcake.mas.lanes.Lanes.stats`: prefetches per lane, overtakes). Always
         ``sglang_calls`` (:meth:`CallCounters.snapshot`: SGLang's calls per method, since this
         backend was created, also before registration) and ``native_loops``
-        (:func:`flatcake.native_loop.report`: each C loop's ``state`` and ``reason``)."""
+        (:func:`flatcake.native.loops.report`: each C loop's ``state`` and ``reason``)."""
         d = self.store.snapshot_stats() if self.store is not None else {}
         d["sglang_calls"] = self.calls.snapshot()
         d["native_loops"] = native_loop.report()

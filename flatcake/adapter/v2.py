@@ -7,11 +7,11 @@ DeepSeek-V4's compressed pools, MiniMax sparse KV, EAGLE3 draft sidecars) makes 
 their pages with :meth:`batch_exists_v2`, :meth:`batch_get_v2` and :meth:`batch_set_v2`, each
 carrying :class:`~sglang.srt.mem_cache.hicache_storage.PoolTransfer` s.
 
-Every extra pool gets its own :class:`~flatcake.store.PageStore` (its own page geometry, the
+Every extra pool gets its own :class:`~flatcake.store.page_store.PageStore` (its own page geometry, the
 pool name in its namespace so pages of different pools never alias) with the same placement,
 session scopes, on-SSD layout and checksums as KV; its keys are the KV page hashes the
 transfer names. When the KV store frees a session scope, each extra store drops the scopes
-holding those keys (:meth:`flatcake.store.PageStore.add_retire_listener`). The ``kv`` pool
+holding those keys (:meth:`flatcake.store.page_store.PageStore.add_retire_listener`). The ``kv`` pool
 keeps the v1 store (``FlatCakeStorage.store``), so the v1 path is unchanged.
 
 After registration nothing here raises into SGLang's threads: a fault is a miss (``False``
@@ -31,8 +31,8 @@ from sglang.srt.mem_cache.hicache_storage import (HiCacheStorageExtraInfo, PoolH
                                                   PoolTransferResult)
 
 from flatcake.adapter.identity import base_identity, open_pool
-from flatcake.layout import KvPageLayout, page_layout_from_meta
-from flatcake.store import MediumSummary, PageStore
+from flatcake.common.layout import KvPageLayout, page_layout_from_meta
+from flatcake.store.page_store import MediumSummary, PageStore
 
 log = logging.getLogger("flatcake")
 
@@ -53,7 +53,7 @@ class ExtraPool:
     Attributes:
         name: SGLang's pool name (``PoolName`` value, e.g. ``"swa"``).
         host_pool: SGLang's host pool object.
-        layout: its byte views (:func:`flatcake.layout.page_layout_from_meta`).
+        layout: its byte views (:func:`flatcake.common.layout.page_layout_from_meta`).
         store: its page store (``None`` until the KV pool is registered).
     """
 
@@ -167,7 +167,7 @@ class HybridPoolsMixin:
         pool is registered); registering a name again replaces its store.
 
         Raises:
-            flatcake.layout.UnsupportedLayoutError: a pool FlatCake cannot serve correctly —
+            flatcake.common.layout.UnsupportedLayoutError: a pool FlatCake cannot serve correctly —
                 separate scale tensors (MXFP8 KV), no page-addressable buffers, pages not at a
                 fixed stride — naming the pool (the attach, or the sidecar, fails).
             ConfigError / SsdStartupError: its store cannot be opened (as for KV).
@@ -275,12 +275,12 @@ class HybridPoolsMixin:
 
     def extra_pool_stats(self) -> dict:
         """Per extra pool (name), its store's counters and state
-        (:meth:`flatcake.store.PageStore.snapshot_stats`); ``flatcake_stats()`` stays KV's."""
+        (:meth:`flatcake.store.page_store.PageStore.snapshot_stats`); ``flatcake_stats()`` stays KV's."""
         return {p.name: p.store.snapshot_stats() for p in list(self._v2_state().values()) if p.store is not None}
 
     def flush_extra_pools(self, timeout_s: float = 10.0) -> Optional[bool]:
         """Wait until every extra pool's SSD write queue is empty
-        (:meth:`flatcake.store.PageStore.flush_writes`, up to ``timeout_s`` seconds per pool).
+        (:meth:`flatcake.store.page_store.PageStore.flush_writes`, up to ``timeout_s`` seconds per pool).
         True when all drained, False when one did not, ``None`` when no extra pool has a store.
         Never raises."""
         stores = [p.store for p in list(self._v2_state().values()) if p.store is not None]
@@ -304,7 +304,7 @@ class HybridPoolsMixin:
                 p.store.clear()
 
     def pools_medium_summary(self, keys: List[str]) -> MediumSummary:
-        """:class:`~flatcake.store.MediumSummary` of ``keys`` over the extra pools (a logical
+        """:class:`~flatcake.store.page_store.MediumSummary` of ``keys`` over the extra pools (a logical
         KV anchor's pages: FC-MAS puts the prefetch in the DRAM or SSD lane by it). A key is on
         ``"ssd"`` when some pool holds it on SSD, on ``"dram"`` when pools hold it on DRAM only,
         ``None`` when none holds it; ``ssd_bytes`` adds every pool's SSD pages (bytes).

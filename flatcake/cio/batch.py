@@ -21,7 +21,7 @@ import torch
 from flatcake.cio.engines import IoPiece, split_pieces
 from flatcake.cio.pagecopy import checksums_at
 from flatcake.cio.plan import ChunkBatch, MergedRead
-from flatcake.errorlog import ErrorLog
+from flatcake.common.errorlog import ErrorLog
 
 
 @dataclass(eq=False)
@@ -36,7 +36,7 @@ class StagingBatch:
     Attributes:
         reads: the merged reads of the batch, in buffer order.
         buf: the :class:`~flatcake.cio.staging.StagingBuffer` they land in.
-        layout: destination :class:`~flatcake.layout.KvPageLayout`.
+        layout: destination :class:`~flatcake.common.layout.KvPageLayout`.
         chunks: the restore's :class:`ChunkBatch`.
         pieces: the I/O pieces, in buffer order.
         piece_start, piece_end: int64 ``[pieces]`` buffer offsets where each piece starts / ends.

@@ -27,9 +27,9 @@ import threading
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
-from flatcake.align import ALIGN, align_up
+from flatcake.common.align import ALIGN, align_up
 from flatcake.cio.staging import StagingBuffer
-from flatcake.errorlog import ErrorLog, reason_of
+from flatcake.common.errorlog import ErrorLog, reason_of
 
 log = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ from typing import Callable, Sequence
 
 from flatcake.cio.engines import EngineUnavailableError, IoEngine, IoPiece, PendingIo, PieceResult
 from flatcake.cio.staging import StagingBuffer
-from flatcake.errorlog import ErrorLog, reason_of
+from flatcake.common.errorlog import ErrorLog, reason_of
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """Gather a round and hash it in one GIL-free call (the write queue's prepare step; issue 11,
 docs/performance.md "Every page size, the GIL, and writes").
 
-:func:`~flatcake.deferred_round.prepare_round` used to take four GIL-free steps per round
+:func:`~flatcake.store.deferred_round.prepare_round` used to take four GIL-free steps per round
 (one numpy copy per plane, the xxh3 loop, the device-checksum loop), and next to a thread
 burning Python CPU each return can wait a whole switch interval (5 ms) for the GIL. Here one
 :mod:`ctypes` call copies every (layer, page) chunk of a CPU host layout into the round's
@@ -10,7 +10,7 @@ bytes are in cache), calling python-xxhash's own ``XXH3_64bits`` and the compile
 checksum loop of :mod:`flatcake.kernels.fcds_native` by address, so the bits are those of
 :func:`~flatcake.cio.pagecopy.chunk_checksums` and
 :func:`~flatcake.kernels.fcds_native.fcds_host_chunks`. The C is ``csrc/gather.c``, built into
-FlatCake's extension at install (:mod:`flatcake.native_loop`). Where either loop is not in use,
+FlatCake's extension at install (:mod:`flatcake.native.loops`). Where either loop is not in use,
 or the layout's token rows are not contiguous bytes, :func:`gather_and_hash` returns ``None``
 and the caller takes the numpy path.
 """
@@ -25,7 +25,7 @@ import numpy as np
 from flatcake.cio.native_restore import dst_table
 from flatcake.cio.xxh3_bulk import xxh3_address
 from flatcake.kernels import fcds_native
-from flatcake.native_loop import NativeLoop, entry
+from flatcake.native.loops import NativeLoop, entry
 
 
 def _build():
@@ -54,7 +54,7 @@ def gather_and_hash(layout, page_ids, out: np.ndarray) -> Optional[tuple[np.ndar
     """Copy every layer of pages ``page_ids`` of ``layout`` into ``out`` and hash each chunk.
 
     Args:
-        layout: a CPU :class:`~flatcake.layout.KvPageLayout` (a host pool).
+        layout: a CPU :class:`~flatcake.common.layout.KvPageLayout` (a host pool).
         page_ids: int64 ``[n]`` source pages, each in ``[0, layout.num_pages)``.
         out: contiguous uint8 ``[layers * n * chunk_bytes]``: chunk (layer ``l``, page ``i``)
             lands at ``(l * n + i) * chunk_bytes``, as a round's layer-major data.

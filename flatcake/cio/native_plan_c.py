@@ -28,7 +28,7 @@ import ctypes
 
 _I64, _P = ctypes.c_int64, ctypes.c_void_p
 
-#: the C file (in the extension :mod:`flatcake._native`, :mod:`flatcake.native_loop`)
+#: the C file (in the extension :mod:`flatcake._native`, :mod:`flatcake.native.loops`)
 C_FILE = "csrc/plan.c"
 #: ``fc_restore_plan``'s argument types: ``n``, the four chunk columns, seven sizes and the two
 #: staging buffers' addresses, then the fifteen arrays it fills and ``out``

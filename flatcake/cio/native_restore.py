@@ -12,7 +12,7 @@ call (which releases the GIL) reads every piece from ``io_workers`` POSIX thread
 window's two staging buffers, verifies each chunk's xxh3-64 and copies its planes into the
 page slots (:mod:`flatcake.cio.native_restore_c`): one GIL hand-off per call. The C is
 ``csrc/plan.c`` and ``csrc/restore.c``, built into FlatCake's extension at install
-(:mod:`flatcake.native_loop`).
+(:mod:`flatcake.native.loops`).
 
 Same guarantees as the Python pipeline: a chunk is copied only if every byte of it was read by
 this call and, when it carries a checksum and ``cio.verify_checksums`` is on, its xxh3-64 (the
@@ -21,7 +21,7 @@ its tag reported; I/O errors are logged once with their errno. Used for the POSI
 host staging with host layouts whose token rows are contiguous; anything else (kvikio, CUDA
 staging, reads-only mode, an O_DIRECT refusal at read time, an extension not built,
 ``FLATCAKE_NATIVE_RESTORE=0``) takes the Python pipeline; the loop's state is reported
-(:func:`flatcake.native_loop.report`). Where every
+(:func:`flatcake.native.loops.report`). Where every
 chunk's planes are contiguous and aligned in the slots (``layer_first``, ``page_first_direct``), the call reads
 straight into them instead (:mod:`flatcake.cio.native_zero_copy`; ``FLATCAKE_ZERO_COPY=0``:
 this staging path), where a failed chunk's slots hold undefined bytes.
@@ -39,14 +39,14 @@ from typing import Optional
 import numpy as np
 
 from flatcake.cio.batch import StagingBatch
-from flatcake.align import ALIGN
+from flatcake.common.align import ALIGN
 from flatcake.cio import engines
 from flatcake.cio.native_plan_c import ARGTYPES as PLAN_ARGTYPES
 from flatcake.cio.native_restore_c import ARGTYPES as RUN_ARGTYPES
 from flatcake.cio.native_zero_copy import ARGTYPES as ZC_ARGTYPES, ZeroCopy
 from flatcake.cio.plan import ChunkBatch, batch_reads, plan_reads
 from flatcake.cio.xxh3_bulk import xxh3_address
-from flatcake.native_loop import NativeLoop, entry, warm_up_all
+from flatcake.native.loops import NativeLoop, entry, warm_up_all
 
 _I64 = ctypes.c_int64
 
@@ -95,7 +95,7 @@ def _build_plan():
     return run.plan, ""
 
 
-#: the plan's state in :func:`flatcake.native_loop.report` (bound with :data:`LOOP`;
+#: the plan's state in :func:`flatcake.native.loops.report` (bound with :data:`LOOP`;
 #: :meth:`NativeRestore.plan_arrays` calls it through ``LOOP.fn().plan``)
 PLAN = NativeLoop(_build_plan, "FLATCAKE_NATIVE_RESTORE", "FC-CIO restore plan: Python (with the Python pipeline)",
                   name="plan")

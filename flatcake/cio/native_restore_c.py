@@ -26,7 +26,7 @@ import ctypes
 
 _I64, _P = ctypes.c_int64, ctypes.c_void_p
 
-#: the C file (in the extension :mod:`flatcake._native`, :mod:`flatcake.native_loop`)
+#: the C file (in the extension :mod:`flatcake._native`, :mod:`flatcake.native.loops`)
 C_FILE = "csrc/restore.c"
 #: ``fc_restore_run``'s argument types (the xxh3 function's address first)
 ARGTYPES = [_P, _I64, _I64, _I64, _I64] + [_P] * 7 + [_I64] + [_P] * 12 + [_I64] * 4 + [_P] * 8 + [_I64] * 2

@@ -35,11 +35,11 @@ from typing import Optional
 
 import numpy as np
 
-from flatcake.align import ALIGN
+from flatcake.common.align import ALIGN
 from flatcake.cio import engines
 from flatcake.cio.plan import ChunkBatch
 from flatcake.cio.native_zero_copy_c import ARGTYPES  # fc_zc_run's argument types (bound by native_restore)
-from flatcake.native_loop import NativeLoop
+from flatcake.native.loops import NativeLoop
 
 log = logging.getLogger(__name__)
 _P = ctypes.c_void_p
@@ -91,7 +91,7 @@ def eligible(table, geometry, chunk_bytes: int, align: int = ALIGN) -> bool:
     Args:
         table: :func:`~flatcake.cio.native_restore.dst_table`'s ``(base, page stride, row
             stride)`` (int64 ``[layers, planes]`` each, bytes).
-        geometry: the layout's :class:`~flatcake.layout.PageGeometry`.
+        geometry: the layout's :class:`~flatcake.common.layout.PageGeometry`.
         chunk_bytes: bytes per (page, layer) chunk.
         align: bytes: the pool device's zero-copy alignment (the engine's
             :attr:`~flatcake.cio.engines.PosixEngine.dio_align`, 4096; at 512, e.g. MLA's

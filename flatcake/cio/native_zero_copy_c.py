@@ -30,7 +30,7 @@ import ctypes
 
 _I64, _P = ctypes.c_int64, ctypes.c_void_p
 
-#: the C file (in the extension :mod:`flatcake._native`, :mod:`flatcake.native_loop`)
+#: the C file (in the extension :mod:`flatcake._native`, :mod:`flatcake.native.loops`)
 C_FILE = "csrc/zero_copy.c"
 #: ``fc_zc_run``'s argument types (the six hash functions' address array first)
 ARGTYPES = [_P] + [_I64] * 5 + [_P] * 7 + [_I64] + [_P] + [_I64] * 9 + [_P] * 4 + [_P] * 10

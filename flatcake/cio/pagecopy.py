@@ -57,7 +57,7 @@ def gather_pages(layout, page_ids, layer: int, out: torch.Tensor) -> None:
     """Copy the ``layer`` chunks of pages ``page_ids`` of ``layout`` into ``out``.
 
     Args:
-        layout: a :class:`~flatcake.layout.KvPageLayout` (host pool, flat pages or device KV).
+        layout: a :class:`~flatcake.common.layout.KvPageLayout` (host pool, flat pages or device KV).
         page_ids: int64 ``[n]`` page indices in ``layout`` (tensor, array or list).
         layer: layer index.
         out: uint8 ``[n, chunk_bytes]`` on ``layout.device``, each row contiguous (rows may be

@@ -33,7 +33,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from flatcake.align import ALIGN, align_down, align_up
+from flatcake.common.align import ALIGN, align_down, align_up
 
 
 def _i64(x) -> np.ndarray:

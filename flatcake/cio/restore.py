@@ -45,7 +45,7 @@ from typing import Callable, Iterator, Optional
 import numpy as np
 import torch
 
-from flatcake.align import ALIGN, align_up
+from flatcake.common.align import ALIGN, align_up
 from flatcake.cio.batch import StagingBatch, verify_chunks, verify_chunks_device
 from flatcake.cio.engines import IoEngine, PosixEngine
 from flatcake.cio.kvikio_engine import EngineUnavailableError, KvikioEngine, select_engine
@@ -53,7 +53,7 @@ from flatcake.cio.native_restore import NativeRestore
 from flatcake.cio.plan import ChunkBatch, MergedRead, batch_reads, plan_reads
 from flatcake.cio.staging import StagingPool, StagingWindow
 from flatcake.config import STORAGE_BATCH_PAGES, CioConfig
-from flatcake.errorlog import ErrorLog
+from flatcake.common.errorlog import ErrorLog
 from flatcake.kernels.scatter import resolve_impl, scatter_chunks
 
 log = logging.getLogger(__name__)
@@ -279,7 +279,7 @@ class RestoreEngine:
         Args:
             chunks: the restore's :class:`~flatcake.cio.plan.ChunkBatch` (numpy arrays, any
                 order; its ``nbytes`` must equal ``chunk_bytes``).
-            layout: destination :class:`~flatcake.layout.KvPageLayout` (host pool on CPU staging,
+            layout: destination :class:`~flatcake.common.layout.KvPageLayout` (host pool on CPU staging,
                 device paged KV on CUDA staging).
             scatter: ``False`` is the *reads-only* mode (the GPU check's baseline): the same plan,
                 batches and double-buffered window, but the bytes stay in staging — no checksum

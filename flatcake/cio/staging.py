@@ -28,7 +28,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from flatcake.align import ALIGN, align_up
+from flatcake.common.align import ALIGN, align_up
 from flatcake.media.directio import aligned_host_buffer
 
 log = logging.getLogger(__name__)

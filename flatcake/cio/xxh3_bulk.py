@@ -8,7 +8,7 @@ on the development machine, a 1 ms ticker thread overshot by 15-17 ms at p99 whi
 one call (the 2-core machine's scheduling floor at the time; docs/performance.md).
 
 Here the loop runs in C (``csrc/xxh3.c``, built into FlatCake's extension at install and bound
-through :mod:`ctypes`, :mod:`flatcake.native_loop`): it calls ``XXH3_64bits`` from the
+through :mod:`ctypes`, :mod:`flatcake.native.loops`): it calls ``XXH3_64bits`` from the
 *installed* python-xxhash extension (the same library, so the same bits as
 ``xxh3_64_intdigest(seed=0)``), for every chunk, in one ctypes call that releases the GIL.
 Where the extension was not built, or the xxhash extension does not export ``XXH3_64bits``,
@@ -24,7 +24,7 @@ import functools
 import numpy as np
 import xxhash
 
-from flatcake.native_loop import NativeLoop, chunk_starts, entry
+from flatcake.native.loops import NativeLoop, chunk_starts, entry
 
 
 def xxh3_address():
@@ -65,7 +65,7 @@ def native() -> bool:
 
 def warm_up() -> None:
     """Bind the native loop, and every other C loop, from the extension (called at start-up, so
-    each loop's state is logged then; :func:`flatcake.native_loop.warm_up_all`)."""
+    each loop's state is logged then; :func:`flatcake.native.loops.warm_up_all`)."""
     LOOP.warm_up()
 
 

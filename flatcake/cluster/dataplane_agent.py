@@ -126,7 +126,7 @@ class DataPlaneAgent:
     def write_ssd(self, scope: int, seq: int, keys: list, seed: int) -> dict:
         """Append one layer-major round (chunk (p, l) at base + (l * n + p) * chunk_bytes) to the
         pool file, checksum it, publish it. Reply: ``gvas``."""
-        from flatcake.align import align_up
+        from flatcake.common.align import align_up
         from flatcake.cluster.transfer import page_checksums
 
         n, cb = len(keys), self.chunk_bytes

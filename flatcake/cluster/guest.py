@@ -1,5 +1,5 @@
 """Write-time placement, the target's side: another node ships a round its own media cannot
-hold, and this node stores it in its own :class:`~flatcake.store.PageStore` as its own pages
+hold, and this node stores it in its own :class:`~flatcake.store.page_store.PageStore` as its own pages
 (paper §3.1 "capacity coordinator"; ``docs/cluster.md``, "Write-time placement on another node").
 
 Protocol (a verb on this node's existing owner server, :class:`~flatcake.cluster.remote_ssd.SsdOwnerServer`,
@@ -34,7 +34,7 @@ import torch
 from flatcake.cio.pagecopy import gather_pages
 from flatcake.cluster.remote_ssd_reader import pull_entries
 from flatcake.cluster.transfer import LandingPool, TransferEndpoint, page_checksums, verify_landed
-from flatcake.layout import KvPageLayout, PageGeometry
+from flatcake.common.layout import KvPageLayout, PageGeometry
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ def geometry_message(g: PageGeometry) -> list:
 
 
 def chunk_layout(g: PageGeometry, buf: np.ndarray, n: int) -> KvPageLayout:
-    """A :class:`~flatcake.layout.KvPageLayout` of ``n`` pages over ``buf``: uint8
+    """A :class:`~flatcake.common.layout.KvPageLayout` of ``n`` pages over ``buf``: uint8
     ``[>= n * page_bytes]``, page ``i``'s chunks back to back in layer order at
     ``i * page_bytes`` (a remote read's ``data`` rows; the shipment format), each chunk's planes
     one after the other (:meth:`PageGeometry.plane_offsets`). No copy."""
@@ -66,7 +66,7 @@ def pack_pages(layout, src_pages, g: PageGeometry, out: np.ndarray) -> np.ndarra
     checksum them.
 
     Args:
-        layout: the writer's :class:`~flatcake.layout.KvPageLayout` (host memory).
+        layout: the writer's :class:`~flatcake.common.layout.KvPageLayout` (host memory).
         src_pages: ``m`` page ids in ``layout``.
         g: the page geometry; out: uint8 ``[>= m * page_bytes]`` (the registered outbox).
 
@@ -89,7 +89,7 @@ class GuestStore:
     """Serves ``store`` requests into ``store`` (see the module docstring).
 
     Args:
-        store: this node's :class:`~flatcake.store.PageStore`.
+        store: this node's :class:`~flatcake.store.page_store.PageStore`.
         endpoint: this node's :class:`~flatcake.cluster.transfer.TransferEndpoint`.
         inbox_bytes: bytes of the registered inbox (``cluster.landing_bytes``): the largest
             shipment taken (a writer splits larger rounds).

@@ -58,7 +58,7 @@ class ClusterMember:
 
     Args:
         cfg: the store's configuration (``node_id``, ``cluster``, ``ssd.file_bytes``).
-        store: the :class:`~flatcake.store.PageStore` (role ``single`` or ``writer``).
+        store: the :class:`~flatcake.store.page_store.PageStore` (role ``single`` or ``writer``).
         namespace: the store's namespace (selects the etcd prefix, module docstring).
 
     Raises:

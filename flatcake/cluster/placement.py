@@ -3,7 +3,7 @@
 
 When a put cannot place a round locally — the local policy (DRAM full -> SSD overflow, then
 whole-scope reclaim of unpinned scopes) left no space for it, ``Backup`` asks :attr:`overflow
-<flatcake.backup.Backup.overflow>` — the writer may place the round on another node::
+<flatcake.store.backup.Backup.overflow>` — the writer may place the round on another node::
 
     RemotePlacer.place(keys, src_pages, layout, parent)        SGLang's backup thread, no store lock
       keys all in the cluster view already?  -> True, nothing shipped
@@ -39,13 +39,13 @@ import threading
 import time
 from typing import Optional
 
-from flatcake.align import align_up
+from flatcake.common.align import align_up
 from flatcake.cluster.etcd import EtcdSession
 from flatcake.cluster.guest import STORE_VERB, STORED_VERB, GuestStore, geometry_message, pack_pages
 from flatcake.cluster.peers import PeerDirectory
 from flatcake.cluster.transfer import RegisteredBuffer
 from flatcake.gva.address import MEDIUM_SSD
-from flatcake.write_path import round_extent_bytes
+from flatcake.store.write_path import round_extent_bytes
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ class RemotePlacer:
         coordinator: the node's :class:`~flatcake.cluster.coordinator.CapacityCoordinator`.
         index: the node's :class:`~flatcake.cluster.index.ClusterIndex` (the view).
         endpoint: the node's :class:`~flatcake.cluster.transfer.TransferEndpoint`.
-        geometry: the store's :class:`~flatcake.layout.PageGeometry`.
+        geometry: the store's :class:`~flatcake.common.layout.PageGeometry`.
         guest: this node's :class:`~flatcake.cluster.guest.GuestStore` (a guest round's put is
             never placed further).
     """

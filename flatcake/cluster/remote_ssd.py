@@ -39,7 +39,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
-from flatcake.align import ALIGN, align_down, align_up
+from flatcake.common.align import ALIGN, align_down, align_up
 from flatcake.cluster.transfer import RegisteredBuffer, TransferEndpoint
 from flatcake.media.directio import probe_direct_io
 

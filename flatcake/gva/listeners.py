@@ -9,7 +9,7 @@ write or the reclaim that called it.
 
 from __future__ import annotations
 
-from flatcake.errorlog import ErrorLog
+from flatcake.common.errorlog import ErrorLog
 
 
 class Listeners:

@@ -26,13 +26,13 @@ the follower: followers always verify checksums, so such a read is a miss, never
 
 from __future__ import annotations
 
-from flatcake.errorlog import ErrorLog
+from flatcake.common.errorlog import ErrorLog
 from flatcake.gva.address import MEDIUM_SSD
 from flatcake.gva.index import GvaIndex, SessionScope
 from flatcake.gva.journal import RETIRE, ROUND, JournalEntry, JournalReader
 from flatcake.gva.placement import reuse_of
 from flatcake.gva.rebuild import read_round, round_entries
-from flatcake.layout import PageGeometry
+from flatcake.common.layout import PageGeometry
 from flatcake.media import extent as fmt
 from flatcake.media.ssd import SsdFilePool
 

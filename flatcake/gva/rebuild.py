@@ -28,13 +28,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Optional
 
-from flatcake.align import align_up
-from flatcake.errorlog import ErrorLog
+from flatcake.common.align import align_up
+from flatcake.common.errorlog import ErrorLog
 from flatcake.gva.address import MEDIUM_SSD, encode_gva
 from flatcake.gva.index import GvaIndex, PageEntry
 from flatcake.gva.journal import RETIRE, ROUND, JournalEntry, read_journal
 from flatcake.gva.placement import reuse_of
-from flatcake.layout import PageGeometry
+from flatcake.common.layout import PageGeometry
 from flatcake.media import extent as fmt
 from flatcake.media.directio import aligned_host_buffer
 from flatcake.media.ssd import Extent, SsdFilePool

@@ -1,7 +1,7 @@
 """The scope table: FC-GVA's metadata manager — placement, space, publish and reclaim (paper §3.1).
 
-It decides and never moves bytes (the write and read paths, :mod:`flatcake.write_path` and
-:mod:`flatcake.read_path`, do). One :class:`Placement` passes from it to the write path and
+It decides and never moves bytes (the write and read paths, :mod:`flatcake.store.write_path` and
+:mod:`flatcake.store.read_path`, do). One :class:`Placement` passes from it to the write path and
 back, as vLLM's offloading manager hands a spec to its worker-side handler.
 
 Lifecycle of a round of pages (writer lock = :attr:`ScopeTable.lock`)::
@@ -25,7 +25,7 @@ import time
 from typing import Optional, Sequence
 
 from flatcake.config import FlatCakeConfig
-from flatcake.errorlog import ErrorLog
+from flatcake.common.errorlog import ErrorLog
 from flatcake.gva.address import MEDIUM_DRAM, MEDIUM_SSD
 from flatcake.gva.drive_faults import drop_pages_in_files_locked
 from flatcake.gva.index import GvaIndex, KeyClaims, PageEntry, SessionScope, pin_entries, scope_runs
@@ -33,11 +33,11 @@ from flatcake.gva.journal import COMPACT_MIN_ENTRIES, RETIRE, ROUND, JournalEntr
 from flatcake.gva.listeners import Listeners
 from flatcake.gva.placement import Placement, PlacementDecision, PlacementPolicy, PlacementSignals, ReuseScope, reuse_code
 from flatcake.gva.signals import InterestCounter, RequeryFilter, TurnStarts
-from flatcake.layout import PageGeometry
+from flatcake.common.layout import PageGeometry
 from flatcake.media import extent as fmt
 from flatcake.media.dram import DramRegion
 from flatcake.media.ssd import Extent, SsdFilePool
-from flatcake.stats import StoreStats
+from flatcake.store.stats import StoreStats
 
 
 class ScopeTable:
@@ -82,7 +82,7 @@ class ScopeTable:
         self.retire_listeners = Listeners(errors, "retire listener")
         #: ``fn(placement, entries)`` for every round published (:meth:`commit_locked`), same lock
         self.publish_listeners = Listeners(errors, "publish listener")
-        #: the SSD write queue (:class:`~flatcake.write_queue.WriteQueue`) when rounds are
+        #: the SSD write queue (:class:`~flatcake.store.write_queue.WriteQueue`) when rounds are
         #: deferred: reclaim frees a scope pinned only by rounds waiting in it (:meth:`evictable`)
         self.queue = None
 
@@ -385,7 +385,7 @@ class ScopeTable:
 
         With ``queued`` (a round that finds the pool full, :meth:`_ssd_space_locked`) a scope
         pinned only by its rounds waiting in the write queue counts as unpinned (:meth:`evictable`):
-        those rounds leave the queue unwritten (:meth:`~flatcake.write_queue.WriteQueue.evict_scope`),
+        those rounds leave the queue unwritten (:meth:`~flatcake.store.write_queue.WriteQueue.evict_scope`),
         so scopes go in the same least-recently-used order as with the queue off. The watermark
         reclaim (``queued`` False) leaves them alone: it makes headroom ahead of need, and a
         round not yet written is the newest data the pool holds."""

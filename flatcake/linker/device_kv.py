@@ -3,7 +3,7 @@
 SGLang's ``UnifiedRadixCache`` hands the linker device token slots (``PoolTransfer.device_indices``,
 int64, ``len(keys) * page_size`` slots, page ``i`` at ``device_indices[i * page_size]``). The
 linker reads and writes FlatCake pages straight into the device pool through a
-:class:`~flatcake.layout.KvPageLayout` over its per-layer buffers, the same byte format the
+:class:`~flatcake.common.layout.KvPageLayout` over its per-layer buffers, the same byte format the
 HiCache door stores (``chunk(page, layer)`` = K rows ‖ V rows, or the MLA latent rows), so a page
 is one page whichever door wrote it.
 
@@ -26,7 +26,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from flatcake.layout import KvPageLayout, UnsupportedLayoutError
+from flatcake.common.layout import KvPageLayout, UnsupportedLayoutError
 
 
 @dataclass(frozen=True)

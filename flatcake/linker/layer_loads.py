@@ -89,7 +89,7 @@ def mas_order(loads: Sequence[QueuedLoad], ssd_bytes_of: Callable[[Sequence[str]
     Args:
         loads: the queued loads.
         ssd_bytes_of: bytes a restore of those keys reads from SSD (0: every page in memory);
-            :meth:`flatcake.store.PageStore.medium_summary`'s ``ssd_bytes``.
+            :meth:`flatcake.store.page_store.PageStore.medium_summary`'s ``ssd_bytes``.
         now_s: ``time.monotonic()`` now (seconds).
 
     Returns:

@@ -57,14 +57,14 @@ from flatcake.adapter.identity import (base_identity, expand_advertise, expand_s
 from flatcake.adapter.startup import check_file_bytes
 from flatcake.adapter.storage import make_namespace
 from flatcake.config import FlatCakeConfig, config_from_extra
-from flatcake.errorlog import ErrorLog
+from flatcake.common.errorlog import ErrorLog
 from flatcake.linker.device_kv import DeviceKv, device_kv_of, page_ids_of
 from flatcake.linker.layer_loads import (LinkerLoadError, LoadBatch, QueuedLoad, first_unlanded, layer_groups,
                                          mas_order, monotonic)
 from flatcake.linker.sessions import SessionChains
 from flatcake.linker.worker import SerialWorker
 from flatcake.media.pool_dir import check_pool_dir
-from flatcake.store import PageStore
+from flatcake.store.page_store import PageStore
 
 log = logging.getLogger("flatcake.linker")
 device_module = get_device_module()
@@ -87,7 +87,7 @@ class FlatCakeLinker(UnifiedCacheLinker):
 
     Raises:
         ValueError: a tree component other than FULL (named).
-        flatcake.layout.UnsupportedLayoutError: a device pool other than MHA / MLA (named).
+        flatcake.common.layout.UnsupportedLayoutError: a device pool other than MHA / MLA (named).
         flatcake.config.ConfigError: unknown key or bad value (the field named).
         flatcake.media.errors.SsdStartupError: ``ssd.path`` cannot be created or written.
     """

@@ -37,7 +37,7 @@ MAX_SESSIONS = 65536
 
 
 class ChainTail(Sequence):
-    """A session's key chain as :meth:`flatcake.store.PageStore.put` reads its prefix keys:
+    """A session's key chain as :meth:`flatcake.store.page_store.PageStore.put` reads its prefix keys:
     ``len()`` is the pages offloaded for the session so far, ``[-1]`` the last of them (the
     parent of the next round). Earlier keys are not kept: indexing them raises IndexError.
 

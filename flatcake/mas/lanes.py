@@ -22,7 +22,7 @@ Lifecycle of an operation::
 anyway is logged once and the operation still completes, so nothing waits forever.
 
 Reads first (``docs/design.md``, "Write queue"): given ``pending_reads`` (e.g.
-:meth:`flatcake.store.PageStore.reads_pending`), the lanes call ``pending_reads(+1)`` when an
+:meth:`flatcake.store.page_store.PageStore.reads_pending`), the lanes call ``pending_reads(+1)`` when an
 operation that needs SSD is queued and ``pending_reads(-1)`` once its reads ended, so the SSD
 write queue holds writes not yet started while a restore is queued, not only while it reads.
 """
@@ -36,7 +36,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-from flatcake.errorlog import ErrorLog
+from flatcake.common.errorlog import ErrorLog
 from flatcake.gva.address import SSD_BOUNDARY
 from flatcake.mas.scheduler import MasRequest, MediumAwareScheduler
 

@@ -19,7 +19,7 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
-from flatcake.align import ALIGN, align_up
+from flatcake.common.align import ALIGN, align_up
 
 
 def drop_page_cache(path: str, sync: bool = True) -> bool:
@@ -96,7 +96,7 @@ def dio_alignment(directory: str, sysfs: str = "/sys", verify: bool = True) -> i
     lengths to its logical block size. But on a device with a virtual boundary (NVMe's PRP lists:
     ``queue/virt_boundary_mask`` = 4095) the block layer ends a request at every iovec that does
     not start and end on a 4 KiB boundary: 1 KiB iovecs would each become one request. So the
-    answer is :data:`~flatcake.align.ALIGN` (4096) unless the device reports
+    answer is :data:`~flatcake.common.align.ALIGN` (4096) unless the device reports
     ``virt_boundary_mask`` 0; then ``max(logical_block_size, dma_alignment + 1, 512)``, and only
     if an O_DIRECT read at that alignment (offset, length, memory) works in ``directory``
     (``verify``; the filesystem may need more than its device).

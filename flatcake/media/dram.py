@@ -2,7 +2,7 @@
 
 The region is ``dram.capacity_bytes // page_bytes`` slots of one page each (a backend serves
 one namespace, so every page has the same size). A page is stored page-major in its slot:
-``[layers, chunk_bytes]`` (see :mod:`flatcake.layout`). DRAM GVA offset = ``slot * page_bytes``.
+``[layers, chunk_bytes]`` (see :mod:`flatcake.common.layout`). DRAM GVA offset = ``slot * page_bytes``.
 
 The region is pinned with ``cudaHostRegister`` when asked for (``dram.pin``: off by default; on;
 auto = when CUDA is available), so H2D copies are DMA, and is plain memory otherwise. Slots are handed out and returned

@@ -35,7 +35,7 @@ from typing import Optional, Sequence
 import numpy as np
 import xxhash
 
-from flatcake.align import ALIGN, align_up
+from flatcake.common.align import ALIGN, align_up
 
 BLOCK = ALIGN  # bytes: every header, record and round starts and ends on a 4 KiB block
 EXTENT_MAGIC = b"FCEXTNT2"

@@ -42,9 +42,9 @@ import threading
 from dataclasses import dataclass
 from typing import Optional
 
-from flatcake.align import align_up
+from flatcake.common.align import align_up
 from flatcake.config import SsdConfig
-from flatcake.errorlog import ErrorLog
+from flatcake.common.errorlog import ErrorLog
 from flatcake.media import pool_dir
 from flatcake.media.errors import PoolFileGone, ShortWrite, SsdStartupError, StaleGeneration
 from flatcake.media.drives import Drive, drive_of, drives_used, files_on, misplaced
@@ -444,7 +444,7 @@ class SsdFilePool(PoolFileFaults):
         Args:
             generation: the file generation the space was reserved under; the write is
                 refused when the file was reset since (its range may be someone else's now).
-            pwrite: ``(fd, memoryview, offset) -> bytes written`` for ``os.pwritev`` (:mod:`flatcake.native_write`).
+            pwrite: ``(fd, memoryview, offset) -> bytes written`` for ``os.pwritev`` (:mod:`flatcake.store.native_write`).
 
         Raises:
             PoolFileGone: the file was unlinked or truncated behind the backend.

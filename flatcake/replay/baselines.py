@@ -134,7 +134,7 @@ class DramOnlySystem(L3System):
         return True
 
     def medium_summary(self, keys):
-        from flatcake.store import MediumSummary
+        from flatcake.store.page_store import MediumSummary
 
         n = len(keys)
         return MediumSummary(n, 0, 0, ("dram",) * n)

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
-from flatcake.align import align_up
+from flatcake.common.align import align_up
 
 
 class DiskBudgetError(ValueError):

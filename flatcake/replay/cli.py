@@ -32,7 +32,7 @@ from typing import Any, Optional, Sequence
 
 from tqdm import tqdm
 
-from flatcake.align import ALIGN
+from flatcake.common.align import ALIGN
 from flatcake.config import ConfigError, FlatCakeConfig, load_config, read_yaml
 from flatcake.replay.budget import DiskBudgetError, check_disk_budget, equal_capacity, file_max_size
 from flatcake.replay.engine import EngineConfig, ModelProfile, RequestOutcome, reusable_counts

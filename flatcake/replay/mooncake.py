@@ -394,7 +394,7 @@ class MooncakeSystem(L3System):
         return tuple(out)
 
     def medium_summary(self, keys):
-        from flatcake.store import MediumSummary
+        from flatcake.store.page_store import MediumSummary
 
         media = self._media(keys)
         ssd = media.count("ssd")

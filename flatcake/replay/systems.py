@@ -212,9 +212,9 @@ class L3System:
         return res
 
     def medium_summary(self, keys: list[str]):
-        """:class:`~flatcake.store.MediumSummary` of stored ``keys`` (FC-MAS lanes). A backend
+        """:class:`~flatcake.store.page_store.MediumSummary` of stored ``keys`` (FC-MAS lanes). A backend
         without media reports every page on SSD."""
-        from flatcake.store import MediumSummary
+        from flatcake.store.page_store import MediumSummary
 
         n = len(keys)
         return MediumSummary(0, n, n * self.profile.page_bytes, ("ssd",) * n)

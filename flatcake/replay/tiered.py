@@ -58,7 +58,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 
-from flatcake.align import ALIGN, align_up
+from flatcake.common.align import ALIGN, align_up
 from flatcake.media.directio import aligned_host_buffer, probe_direct_io
 from flatcake.replay.baselines import DramOnlySystem
 from flatcake.replay.engine import ModelProfile
@@ -515,7 +515,7 @@ class TieredSystem(DramOnlySystem):
         return len(pages), len(promoted)
 
     def medium_summary(self, keys):
-        from flatcake.store import MediumSummary
+        from flatcake.store.page_store import MediumSummary
 
         with self._lock:
             media = tuple(self._where_locked(k) for k in keys)

@@ -39,7 +39,7 @@ SYMBOLS = ("pread", "pread64", "preadv", "preadv64", "preadv2", "preadv64v2", "p
 #: random fault kinds (``FC_FAULT_KINDS``); ``erofs`` comes from :meth:`Interposer.refuse` only
 KINDS = ("eio", "short", "enospc")
 #: the calling object of FlatCake's C loops: the extension ``flatcake._native``
-#: (``_native.cpython-*.so``, :mod:`flatcake.native_loop`); within it the symbol tells the loop
+#: (``_native.cpython-*.so``, :mod:`flatcake.native.loops`); within it the symbol tells the loop
 #: (``pread``: the C restore, ``preadv``: the zero-copy restore, ``pwrite``: the piece writer)
 C_LOOP_PREFIX = "_native."
 

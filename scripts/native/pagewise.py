@@ -11,7 +11,7 @@ could write: many reads in flight from native threads, not a Python loop per pag
                                           # segments copied out (K/V regions, token rows)
 
 ``reader.kind`` says what runs: ``"c-pthreads"`` (the C source, built into FlatCake's extension
-at install with the loops and bound by :func:`flatcake.native_loop.entry`; ``threads`` POSIX
+at install with the loops and bound by :func:`flatcake.native.loops.entry`; ``threads`` POSIX
 threads, each with one blocking ``pread`` in flight: queue depth = ``threads``) or
 ``"python-threads"`` (the extension not built: a Python thread pool of the same size doing the
 same jobs, ``reader.why`` says why). Copies use the restore's own row copy (``fc_copy_rows``,
@@ -31,7 +31,7 @@ from typing import Optional
 import numpy as np
 
 from flatcake.cio.native_restore import STREAMING_STORES
-from flatcake.native_loop import entry
+from flatcake.native.loops import entry
 
 _I64, _P = ctypes.c_int64, ctypes.c_void_p
 

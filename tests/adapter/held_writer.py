@@ -12,7 +12,7 @@ class HeldWriter:
     once the writer is inside. Later writes go through at once.
 
     Args:
-        store: a :class:`~flatcake.store.PageStore` with its write queue on (the default).
+        store: a :class:`~flatcake.store.page_store.PageStore` with its write queue on (the default).
         monkeypatch: the test's ``monkeypatch`` (the patch is undone with the test).
     """
 

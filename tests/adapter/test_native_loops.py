@@ -12,7 +12,9 @@ import sys
 
 import pytest
 
-from flatcake import native_loop, native_write
+from flatcake.native import loops as native_loop
+
+from flatcake.store import native_write
 from flatcake.adapter.startup import native_summary, native_warning
 
 #: the extension with the C loops is built (pip install; a build without a compiler has none)

@@ -15,7 +15,7 @@ import torch
 from flatcake.adapter.host_pool import MHAHostPoolDouble
 from flatcake.adapter.startup import check_file_bytes, min_file_bytes
 from flatcake.config import FLATCAKE_EXTRA, ConfigError, load_config
-from flatcake.layout import PageGeometry
+from flatcake.common.layout import PageGeometry
 
 #: Llama-3-70B at TP 1, bf16, 64-token pages: 80 layers x 8 KV heads x 128 dims x (K, V) x 2 bytes
 #: = 320 KiB per token, 20 MiB per page; a 128-page round is 2.5 GiB

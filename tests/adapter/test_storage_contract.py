@@ -14,7 +14,7 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageE
 
 from flatcake.adapter.storage import FlatCakeStorage
 from flatcake.config import ConfigError
-from flatcake.layout import SUPPORTED_LAYOUTS, UnsupportedLayoutError
+from flatcake.common.layout import SUPPORTED_LAYOUTS, UnsupportedLayoutError
 from flatcake.media.errors import SsdStartupError
 
 

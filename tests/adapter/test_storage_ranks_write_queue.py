@@ -29,7 +29,7 @@ def test_mla_tp2_ranks_agree_on_the_whole_prefix_right_after_the_writer_backup_r
                                                                                         reads_running):
     """``reads_running``: the writer restores its first pages over and over (as the FC-MAS lanes
     would) while the second backup runs and the ranks are asked."""
-    with caplog.at_level(logging.INFO, logger="flatcake.store"):
+    with caplog.at_level(logging.INFO, logger="flatcake.store.page_store"):
         w, wpool = make_backend(mla=True, tp_rank=0, tp_size=2)
     f, fpool = make_backend(mla=True, tp_rank=1, tp_size=2)
     assert (w.store.role, f.store.role) == ("writer", "follower")

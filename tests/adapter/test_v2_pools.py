@@ -14,7 +14,7 @@ from flatcake_testkit import slots_of
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo, PoolHitPolicy, PoolName, PoolTransfer
 
 from flatcake.adapter.host_pool import DsaIndexerHostPoolDouble, MXFP8HostPoolDouble
-from flatcake.layout import UnsupportedLayoutError
+from flatcake.common.layout import UnsupportedLayoutError
 
 sys.path.insert(0, os.path.dirname(__file__))
 from v2_kit import KINDS, PAGE, PAGES, fill, flat_bytes, matches, put, transfer, zero  # noqa: E402

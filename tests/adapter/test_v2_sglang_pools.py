@@ -11,7 +11,7 @@ import pytest
 import torch
 from sglang.srt.mem_cache.hicache_storage import PoolName
 
-from flatcake.layout import UnsupportedLayoutError
+from flatcake.common.layout import UnsupportedLayoutError
 from flatcake.replay.sglang_cpu import ensure_importable
 
 sys.path.insert(0, os.path.dirname(__file__))

@@ -76,7 +76,7 @@ def put(be, name, pool, keys, pages, prefix=()):
 
 def zero(pool) -> None:
     """Zero every page buffer of ``pool``."""
-    from flatcake.layout import pool_buffers
+    from flatcake.common.layout import pool_buffers
 
     for b in pool_buffers(pool):
         b.zero_()

@@ -11,7 +11,7 @@ import xxhash
 
 from flatcake.adapter.host_pool import MHAHostPoolDouble, MLAHostPoolDouble
 from flatcake.cio import ChunkBatch
-from flatcake.layout import KvPageLayout
+from flatcake.common.layout import KvPageLayout
 
 LAYERS = 3
 PAGE = 4  # tokens per page

@@ -11,7 +11,7 @@ import xxhash
 
 from flatcake.adapter.host_pool import MHAHostPoolDouble, MLAHostPoolDouble
 from flatcake.cio.pagecopy import checksums_at, chunk_checksums, gather_pages, scatter_pages
-from flatcake.layout import SUPPORTED_LAYOUTS, KvPageLayout
+from flatcake.common.layout import SUPPORTED_LAYOUTS, KvPageLayout
 from tests.flatcake_testkit import make_store, page_matches, put_pages, two_requests_share
 
 LAYERS = 3

@@ -113,7 +113,7 @@ def test_a_page_or_layer_outside_the_layout_is_refused(ext4_dir, page, layer):
 
 def test_zero_copy_is_off_unless_flatcake_zero_copy_is_1(monkeypatch):
     from flatcake.cio import native_zero_copy
-    from flatcake.native_loop import NativeLoop
+    from flatcake.native.loops import NativeLoop
 
     assert native_zero_copy.LOOP.env == "FLATCAKE_ZERO_COPY" and native_zero_copy.LOOP.default_on is False
     monkeypatch.delenv("FC_TEST_LOOP", raising=False)

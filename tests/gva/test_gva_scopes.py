@@ -8,16 +8,16 @@ import pytest
 from flatcake_testkit import two_requests_share
 
 from flatcake.config import load_config
-from flatcake.errorlog import ErrorLog
+from flatcake.common.errorlog import ErrorLog
 from flatcake.gva.address import MEDIUM_DRAM, MEDIUM_SSD, encode_gva
 from flatcake.gva.index import PageEntry
 from flatcake.gva.placement import ReuseScope
 from flatcake.gva.scopes import ScopeTable
-from flatcake.layout import PageGeometry
+from flatcake.common.layout import PageGeometry
 from flatcake.media import extent as fmt
 from flatcake.media.dram import DramRegion
 from flatcake.media.ssd import SsdFilePool
-from flatcake.stats import StoreStats
+from flatcake.store.stats import StoreStats
 
 GEOM = PageGeometry(layers=2, page_size=4, plane_row_bytes=(64, 64))  # 512 B chunks, 1 KiB pages
 

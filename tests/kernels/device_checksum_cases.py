@@ -12,7 +12,7 @@ import torch
 from flatcake.cio.batch import verify_chunks_device
 from flatcake.cio.pagecopy import chunk_checksums
 from flatcake.cio.plan import ChunkBatch
-from flatcake.errorlog import ErrorLog
+from flatcake.common.errorlog import ErrorLog
 from flatcake.kernels import device_checksum as dc
 from flatcake.kernels.fcds_native import fcds_host_at
 

@@ -14,7 +14,7 @@ import torch
 
 from flatcake.adapter.host_pool import MHAHostPoolDouble, MLAHostPoolDouble
 from flatcake.kernels.scatter import scatter_chunks
-from flatcake.layout import KvPageLayout
+from flatcake.common.layout import KvPageLayout
 
 PAGES, PAGE, LAYERS = 6, 4, 3
 

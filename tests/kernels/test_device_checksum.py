@@ -21,7 +21,7 @@ import xxhash
 
 from flatcake.cio.pagecopy import chunk_checksums
 from flatcake.cio.plan import ChunkBatch
-from flatcake.errorlog import ErrorLog
+from flatcake.common.errorlog import ErrorLog
 from flatcake.kernels import device_checksum as dc
 from flatcake.kernels.fcds_native import fcds_host_chunks
 from flatcake.media import extent as fmt

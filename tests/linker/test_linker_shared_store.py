@@ -8,7 +8,7 @@ from flatcake_testkit import page_matches, slots_of, write_pages
 from linker_kit import LAYERS, PAGE, drain_offloads, fill, load_transfer, lookup_transfer, make_linker, \
     offload_transfer, page_hashes
 
-from flatcake.layout import KvPageLayout
+from flatcake.common.layout import KvPageLayout
 
 
 def test_both_doors_of_a_rank_share_one_store_and_read_each_others_pages(make_backend, ssd_dir):

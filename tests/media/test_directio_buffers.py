@@ -3,7 +3,7 @@ staging windows' transparent huge pages (docs/performance.md, "Huge pages for st
 
 import pytest
 
-from flatcake.align import ALIGN
+from flatcake.common.align import ALIGN
 from flatcake.cio.staging import StagingPool
 from flatcake.media.directio import aligned_host_buffer
 

@@ -7,7 +7,7 @@ import pytest
 import xxhash
 from flatcake_testkit import make_store, put_pages
 
-from flatcake.align import align_up
+from flatcake.common.align import align_up
 from flatcake.config import SsdConfig
 from flatcake.media import extent as fmt
 from flatcake.media.directio import probe_direct_io

@@ -14,7 +14,7 @@ import pytest
 import flatcake_testkit as testkit
 from flatcake_testkit import page_matches, put_pages
 
-from flatcake import native_write
+from flatcake.store import native_write
 from flatcake.media import pool_dir
 
 

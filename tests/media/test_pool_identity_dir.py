@@ -11,9 +11,9 @@ import pytest
 from flatcake_testkit import make_pool, put_pages
 
 from flatcake.config import load_config
-from flatcake.layout import KvPageLayout
+from flatcake.common.layout import KvPageLayout
 from flatcake.media import pool_dir
-from flatcake.store import PageStore
+from flatcake.store.page_store import PageStore
 
 KIB = 1 << 10
 

@@ -11,7 +11,9 @@ import pytest
 import xxhash
 from flatcake_testkit import fill_page, make_store, page_matches, put_pages
 
-from flatcake import native_loop, native_write
+from flatcake.native import loops as native_loop
+
+from flatcake.store import native_write
 from flatcake.cio import native_gather, native_restore, native_zero_copy, xxh3_bulk
 from flatcake.kernels import fcds_native
 from flatcake.kernels.device_checksum import fcds_numpy

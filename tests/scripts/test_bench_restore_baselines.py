@@ -132,7 +132,7 @@ def test_strided_runs_find_a_pages_and_a_chunks_bytes_in_every_layout(profile, p
     (``scattered-layerwise``) address exactly the bytes SGLang's flat page and FlatCake's chunk
     hold, in their order."""
     from flatcake.cio.pagecopy import gather_pages
-    from flatcake.layout import KvPageLayout
+    from flatcake.common.layout import KvPageLayout
 
     pool, _ = bench_common.make_host_pool(profile, 3 * page_size, page_size, layout)
     page = 1

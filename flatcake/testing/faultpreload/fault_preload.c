@@ -3,11 +3,11 @@
  * the package itself). Built by flatcake/testing/fault_preload.py.
  *
  * Why these symbols. FlatCake's default paths are C loops compiled at run time
- * (flatcake/native_loop.py) and called through ctypes, so patching os.preadv/os.pwritev in
+ * (flatcake/native/loops.py) and called through ctypes, so patching os.preadv/os.pwritev in
  * Python never reaches them:
  *   - the one-call restore (flatcake/cio/native_restore_c.py) calls pread,
  *   - the zero-copy restore (flatcake/cio/native_zero_copy_c.py) calls preadv,
- *   - the write queue's piece writer (flatcake/native_write.py) calls pwrite;
+ *   - the write queue's piece writer (flatcake/store/native_write.py) calls pwrite;
  *   those loops are built without _FILE_OFFSET_BITS (LP64: off_t is 64-bit), so they bind the
  *   plain names. CPython binds the large-file names (it is built with _FILE_OFFSET_BITS=64 and
  *   has preadv2): os.pread -> pread64, os.preadv -> preadv64v2, os.pwrite -> pwrite64,

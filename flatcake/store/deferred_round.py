@@ -1,7 +1,7 @@
 """A deferred SSD round: its bytes prepared in the backup thread, written later by the write
 queue's writer thread (``docs/design.md``, "Write queue"; Tutti, design notes §3).
 
-The on-disk result is the one :class:`~flatcake.write_path.WritePath` produces for the same
+The on-disk result is the one :class:`~flatcake.store.write_path.WritePath` produces for the same
 placement (``docs/durability.md``): [extent header] | round header | layer-major data |
 record, the record written only after the data. What differs is *when* and *in what pieces*:
 
@@ -27,10 +27,10 @@ from flatcake.cio.pagecopy import chunk_checksums, gather_layers, gather_pages
 from flatcake.gva.address import MEDIUM_SSD, encode_gva
 from flatcake.gva.index import PageEntry
 from flatcake.kernels.fcds_native import fcds_host_chunks
-from flatcake.layout import KvPageLayout, PageGeometry
+from flatcake.common.layout import KvPageLayout, PageGeometry
 from flatcake.media import extent as fmt
 from flatcake.media.directio import AlignedBuffer
-from flatcake.native_write import piece_writer
+from flatcake.store.native_write import piece_writer
 
 
 @dataclass(eq=False)
@@ -131,7 +131,7 @@ def write_prepared(prep: PreparedRound, ssd, node: int, stats, chunk_bytes: int,
     sits right before the round, ``prep.lead``), header | data in pieces of at most
     ``chunk_bytes`` (a multiple of 4096) with ``between()`` before each piece after the first,
     then the record (only now does the round exist on disk). With ``readers`` (int64 ``[1]``,
-    restores in flight) and the C loop of :mod:`flatcake.native_write`, the pieces and the
+    restores in flight) and the C loop of :mod:`flatcake.store.native_write`, the pieces and the
     record are one ``ssd.write`` in one GIL-free call that stops between two pieces while
     ``readers[0] > 0`` (then ``between()``, and the rest): same bytes, order and pause points.
 

@@ -5,7 +5,7 @@ The hot loops of the data path (paper §3.3) are C functions called through :mod
 without the GIL: the one-call restore and its plan (:mod:`flatcake.cio.native_restore`), the
 zero-copy restore (:mod:`flatcake.cio.native_zero_copy`), the round gather
 (:mod:`flatcake.cio.native_gather`), the write queue's piece writer
-(:mod:`flatcake.native_write`), the xxh3-64 of each chunk (:mod:`flatcake.cio.xxh3_bulk`) and
+(:mod:`flatcake.store.native_write`), the xxh3-64 of each chunk (:mod:`flatcake.cio.xxh3_bulk`) and
 the device checksum's host side (:mod:`flatcake.kernels.fcds_native`). Their source is
 ``csrc/*.c`` (tested as C by ``csrc/tests/``, ``tests/native/``); ``pip install`` / ``pip
 wheel`` compile it (``setup.py``) into one extension module, :data:`EXTENSION`, inside the
@@ -55,10 +55,10 @@ EXTENSION = "flatcake._native"
 #: tests of the fallbacks), like each loop's own variable
 ALL_OFF_ENV = "FLATCAKE_NATIVE"
 #: the C sources of a source checkout (absent in an installed wheel: no staleness check there)
-CSRC = Path(__file__).resolve().parent.parent / "csrc"
+CSRC = Path(__file__).resolve().parents[2] / "csrc"
 #: the modules that define the registered loops (imported by :func:`loops`)
 LOOP_MODULES = ("flatcake.cio.native_restore", "flatcake.cio.native_zero_copy", "flatcake.cio.native_gather",
-                "flatcake.native_write", "flatcake.cio.xxh3_bulk", "flatcake.kernels.fcds_native")
+                "flatcake.store.native_write", "flatcake.cio.xxh3_bulk", "flatcake.kernels.fcds_native")
 #: the order in which the loops are listed
 ORDER = ("restore", "plan", "zero_copy", "gather", "write", "xxh3", "fcds")
 
@@ -318,7 +318,7 @@ def chunk_starts(host: np.ndarray, starts, chunk_bytes: int) -> np.ndarray:
     return st
 
 
-if __name__ == "__main__":  # python -m flatcake.native_loop: the registry of the imported module
-    from flatcake.native_loop import main as _main
+if __name__ == "__main__":  # python -m flatcake.native.loops: the registry of the imported module
+    from flatcake.native.loops import main as _main
 
     raise SystemExit(_main())

@@ -6,14 +6,14 @@ A short facade that composes the parts, each in its own module:
 part                            job
 =============================== ================================================================
 :class:`~flatcake.gva.scopes.ScopeTable`     decides: scopes, placement (Table 2), space, publish, reclaim
-:class:`~flatcake.backup.Backup`             a put's rounds: claims, placement, write, commit, write faults
-:class:`~flatcake.write_path.WritePath`      moves bytes in: DRAM slot writes, SSD rounds, extent headers
-:class:`~flatcake.read_path.ReadPath`        moves bytes out: DRAM copies, SSD restores through FC-CIO
+:class:`~flatcake.store.backup.Backup`             a put's rounds: claims, placement, write, commit, write faults
+:class:`~flatcake.store.write_path.WritePath`      moves bytes in: DRAM slot writes, SSD rounds, extent headers
+:class:`~flatcake.store.read_path.ReadPath`        moves bytes out: DRAM copies, SSD restores through FC-CIO
 :class:`~flatcake.gva.mirror.FollowerMirror` MLA follower ranks: mirrors the writer's journal
-:class:`~flatcake.stats.StoreStats`          the one stats object every part adds to
+:class:`~flatcake.store.stats.StoreStats`          the one stats object every part adds to
 =============================== ================================================================
 
-Lifecycle of a write (:meth:`PageStore.put`, :mod:`flatcake.backup`)::
+Lifecycle of a write (:meth:`PageStore.put`, :mod:`flatcake.store.backup`)::
 
     claim the new keys -> split into rounds (<= 128 pages) -> per round:
     place (writer lock: scope, medium, space) -> write (no lock) -> commit (writer lock:
@@ -32,26 +32,26 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
-from flatcake import native_write
-from flatcake.backup import Backup, count_keys
+from flatcake.store import native_write
+from flatcake.store.backup import Backup, count_keys
 from flatcake.config import ConfigError, FlatCakeConfig
-from flatcake.errorlog import ErrorLog
-from flatcake.gate import OperationGate
+from flatcake.common.errorlog import ErrorLog
+from flatcake.store.gate import OperationGate
 from flatcake.gva.address import MEDIUM_NAMES, medium_of
 from flatcake.gva.journal import JournalReader, JournalWriter
 from flatcake.gva.mirror import FollowerMirror
 from flatcake.gva.read_faults import drop_from_failed_round_locked, take_failing_drive_out_locked
 from flatcake.gva.rebuild import RebuildReport, rebuild_locked
 from flatcake.gva.scopes import ScopeTable
-from flatcake.layout import KvPageLayout, PageGeometry
+from flatcake.common.layout import KvPageLayout, PageGeometry
 from flatcake.media.dram import DramRegion
 from flatcake.media.ssd import SsdFilePool
-from flatcake.read_path import ReadPath
-from flatcake.stats import StoreStats, write_rates
-from flatcake.write_path import WritePath, max_round_pages
-from flatcake.write_queue import BACKLOG_POOL_SHARE, BacklogBudget, WriteQueue
+from flatcake.store.read_path import ReadPath
+from flatcake.store.stats import StoreStats, write_rates
+from flatcake.store.write_path import WritePath, max_round_pages
+from flatcake.store.write_queue import BACKLOG_POOL_SHARE, BacklogBudget, WriteQueue
 
-log = logging.getLogger("flatcake.store")
+log = logging.getLogger("flatcake.store.page_store")
 
 ROLES = ("single", "writer", "follower")
 
@@ -272,7 +272,7 @@ class PageStore:
 
         Args:
             keys: page keys.
-            layout: destination :class:`~flatcake.layout.KvPageLayout`.
+            layout: destination :class:`~flatcake.common.layout.KvPageLayout`.
             page_ids: int page ids in ``layout`` (a list or an int64 tensor), one per key.
 
         Returns:
@@ -325,7 +325,7 @@ class PageStore:
         is read while layer ``l`` is used).
 
         The leading run of ``keys`` is pinned once; each group (ascending layer indices, the groups
-        in order) is one :meth:`~flatcake.read_path.ReadPath.read` of those layers (FC-CIO:
+        in order) is one :meth:`~flatcake.store.read_path.ReadPath.read` of those layers (FC-CIO:
         sorted, merged reads into the staging window, then the scatter); after each group
         ``on_group(group, good)`` is called with ``good`` the pages delivered intact in every
         group so far. A group stops the read when ``good < len(keys)`` (a miss or a failed page);
@@ -432,7 +432,7 @@ class PageStore:
 
         Args:
             keys: page keys (``str``, 1..4096 UTF-8 bytes).
-            layout: source :class:`~flatcake.layout.KvPageLayout`.
+            layout: source :class:`~flatcake.common.layout.KvPageLayout`.
             page_ids: int page ids in ``layout`` (a list or an int64 tensor), one per key.
             prefix_keys: the keys before ``keys[0]`` in the request (SGLang's
                 ``extra_info.prefix_keys``), or None.
@@ -534,7 +534,7 @@ class PageStore:
             self._gate.exit()
 
     def snapshot_stats(self) -> dict:
-        """Counters (:class:`~flatcake.stats.StoreStats`: bytes, pages, ops, seconds) plus
+        """Counters (:class:`~flatcake.store.stats.StoreStats`: bytes, pages, ops, seconds) plus
         current state (``docs/configuration.md``, "Stats"): pages indexed, scopes, SSD bytes
         used, DRAM slots used, I/O errors (total and ``errors`` by ``op/reason``), checksum
         failures, pages rebuilt at start-up, the I/O engine, and ``media``: per medium its

@@ -110,7 +110,7 @@ class QueuedRound:
     Attributes:
         plc: its :class:`~flatcake.gva.placement.Placement` (SSD space reserved, scope pinned).
         parent: the key before its first page (``None`` at the root), for the commit.
-        prepared: the round's bytes (:class:`~flatcake.write_path.PreparedRound`).
+        prepared: the round's bytes (:class:`~flatcake.store.write_path.PreparedRound`).
         enqueued_s: ``time.monotonic()`` when it was queued.
         nbytes: bytes the round writes (header, data and record).
         readers: reads copying from its buffer now (:meth:`WriteQueue.pin_leading_run`).
@@ -178,7 +178,7 @@ class WriteQueue:
         complete: ``complete(job)`` writes and commits (or aborts) a round; runs on the writer
             thread, must not raise (anything it raises is logged once and the round is lost).
         drop: ``drop(job)`` aborts a round that will not be written (scope gone, close).
-        stats: the store's :class:`~flatcake.stats.StoreStats` (``write_deferred_s``).
+        stats: the store's :class:`~flatcake.store.stats.StoreStats` (``write_deferred_s``).
         errors: the store's error-once log.
         node: GVA node field of :class:`QueuedPage` addresses.
     """
@@ -218,7 +218,7 @@ class WriteQueue:
     # ================================================================ reads
     def reads_begin(self) -> None:
         """A restore read starts (or waits for a staging window, or is queued in the FC-MAS SSD
-        lane: :meth:`~flatcake.store.PageStore.reads_pending`): hold writes not yet issued
+        lane: :meth:`~flatcake.store.page_store.PageStore.reads_pending`): hold writes not yet issued
         (unless they are urgent)."""
         with self._cond:
             self._readers += 1

@@ -23,19 +23,19 @@ from __future__ import annotations
 
 from typing import Optional
 
-from flatcake.deferred_round import prepare_round, write_prepared
-from flatcake.errorlog import ErrorLog
+from flatcake.store.deferred_round import prepare_round, write_prepared
+from flatcake.common.errorlog import ErrorLog
 from flatcake.gva.address import MEDIUM_DRAM
 from flatcake.gva.placement import Placement, ReuseScope
 from flatcake.gva.scopes import ScopeTable
-from flatcake.layout import KvPageLayout, PageGeometry
+from flatcake.common.layout import KvPageLayout, PageGeometry
 from flatcake.media import extent as fmt
 from flatcake.media.errors import PoolFileGone, ShortWrite
 from flatcake.media.ssd import REFUSED_ERRNOS, SsdFilePool
-from flatcake.read_path import ReadPath
-from flatcake.stats import StoreStats
-from flatcake.write_path import WritePath
-from flatcake.write_queue import WRITE_CHUNK_BYTES, QueuedRound, WriteQueue
+from flatcake.store.read_path import ReadPath
+from flatcake.store.stats import StoreStats
+from flatcake.store.write_path import WritePath
+from flatcake.store.write_queue import WRITE_CHUNK_BYTES, QueuedRound, WriteQueue
 
 MAX_KEY_BYTES = 4096  # bytes of UTF-8 per page key (SGLang's are 64 hex characters)
 
@@ -68,7 +68,7 @@ class Backup:
         reader: the read path (to forget a pool file's cached descriptors).
         ssd: the SSD pool (free space, file resets).
         geometry: page geometry of the namespace.
-        max_round_pages: pages per round at most (:func:`~flatcake.write_path.max_round_pages`).
+        max_round_pages: pages per round at most (:func:`~flatcake.store.write_path.max_round_pages`).
         stats, errors: the store's stats object and error-once log.
     """
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 @dataclass
 class StoreStats:
-    """Cumulative counters of one :class:`~flatcake.store.PageStore`.
+    """Cumulative counters of one :class:`~flatcake.store.page_store.PageStore`.
 
     Attributes:
         hit_pages_dram, hit_pages_ssd: pages delivered by reads, per medium.

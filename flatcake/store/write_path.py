@@ -33,7 +33,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from flatcake.align import align_down, align_up
+from flatcake.common.align import align_down, align_up
 from flatcake.cio import xxh3_bulk
 from flatcake.cio.pagecopy import chunk_checksums, gather_layers, gather_pages
 from flatcake.config import STORAGE_BATCH_PAGES
@@ -41,12 +41,12 @@ from flatcake.gva.address import MEDIUM_DRAM, MEDIUM_SSD, encode_gva
 from flatcake.gva.index import PageEntry
 from flatcake.gva.placement import Placement
 from flatcake.kernels import fcds_native
-from flatcake.layout import KvPageLayout, PageGeometry
+from flatcake.common.layout import KvPageLayout, PageGeometry
 from flatcake.media import extent as fmt
 from flatcake.media.dram import DramRegion
 from flatcake.media.directio import AlignedBuffer
 from flatcake.media.ssd import SsdFilePool
-from flatcake.stats import StoreStats
+from flatcake.store.stats import StoreStats
 
 #: pages in one round at most: one SGLang backup call
 MAX_ROUND_PAGES = STORAGE_BATCH_PAGES

@@ -23,14 +23,14 @@ import torch
 
 from flatcake.cio.pagecopy import scatter_pages
 from flatcake.cio.plan import ChunkBatch
-from flatcake.errorlog import ErrorLog
+from flatcake.common.errorlog import ErrorLog
 from flatcake.gva.address import MEDIUM_DRAM, MEDIUM_SHIFT, MEDIUM_SSD, OFFSET_MASK, SSD_BOUNDARY, medium_of
 from flatcake.gva.index import PageEntry
-from flatcake.layout import KvPageLayout, PageGeometry
+from flatcake.common.layout import KvPageLayout, PageGeometry
 from flatcake.media.dram import DramRegion
 from flatcake.media.ssd import SsdFilePool
-from flatcake.stats import StoreStats
-from flatcake.write_queue import MEDIUM_QUEUED
+from flatcake.store.stats import StoreStats
+from flatcake.store.write_queue import MEDIUM_QUEUED
 
 
 class ReadPath:
@@ -59,10 +59,10 @@ class ReadPath:
         self.file_bytes = ssd.file_bytes
         self.verify = verify
         self.stats = stats
-        #: the SSD write queue (:class:`~flatcake.write_queue.WriteQueue`) or None: SSD restores
+        #: the SSD write queue (:class:`~flatcake.store.write_queue.WriteQueue`) or None: SSD restores
         #: are marked in flight on it (writes wait for the gap) and its pages are read from memory
         self.queue = None
-        #: the FC-CIO engine for layouts on a GPU (HBM staging; :meth:`flatcake.store.PageStore.attach_device_restore`)
+        #: the FC-CIO engine for layouts on a GPU (HBM staging; :meth:`flatcake.store.page_store.PageStore.attach_device_restore`)
         #: or None: every restore goes through ``cio``
         self.device_cio = None
 
@@ -120,7 +120,7 @@ class ReadPath:
         return good
 
     def _copy_queued(self, entries, pos: list[int], layout: KvPageLayout, page_ids, layers: Sequence[int]) -> None:
-        """Copy pages still in the write queue (:class:`~flatcake.write_queue.QueuedPage`) from
+        """Copy pages still in the write queue (:class:`~flatcake.store.write_queue.QueuedPage`) from
         their round's in-memory copy into the layout, round by round, layer by layer."""
         by_job: dict = {}
         for i in pos:
@@ -270,7 +270,7 @@ class ReadPath:
 
 
 def split_media(gvas: Sequence[int]) -> tuple[list[int], Sequence[int], list[int]]:
-    """Positions in ``gvas`` of DRAM, SSD and queued (:data:`~flatcake.write_queue.MEDIUM_QUEUED`)
+    """Positions in ``gvas`` of DRAM, SSD and queued (:data:`~flatcake.store.write_queue.MEDIUM_QUEUED`)
     pages, each ascending; other media in none. When every page is on SSD (the common restore:
     ``2**60 <= gva < 2**61``, two C passes instead of one Python call per page) the SSD positions
     are ``range(len(gvas))``."""

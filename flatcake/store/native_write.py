@@ -1,7 +1,7 @@
 """A deferred round's pieces written in one GIL-free call (the write queue's writer thread;
 issue 11, docs/performance.md "The busy-thread ratio is GIL hand-offs").
 
-:func:`~flatcake.deferred_round.write_prepared` writes a round in pieces of
+:func:`~flatcake.store.deferred_round.write_prepared` writes a round in pieces of
 ``WRITE_CHUNK_BYTES`` (8 MiB) so that a restore waits behind at most one piece (paper §3.3,
 reads first). In Python each piece is an ``fstat`` and a ``pwritev`` in
 :meth:`~flatcake.media.ssd.SsdFilePool.write`, and next to a thread burning Python CPU
@@ -9,10 +9,10 @@ reads first). In Python each piece is an ``fstat`` and a ``pwritev`` in
 ~340 such steps per GB. Here :func:`piece_writer` gives ``SsdFilePool.write`` (one call per
 round: its checks and one ``fstat``) a ``pwrite`` that writes the pieces in one :mod:`ctypes`
 call, in order, the record last; between two pieces it reads the write queue's count of
-restores in flight (:attr:`~flatcake.write_queue.WriteQueue.readers_now`) and, when one is,
+restores in flight (:attr:`~flatcake.store.write_queue.WriteQueue.readers_now`) and, when one is,
 returns so the caller pauses (``between``) and calls again for the rest. Same bytes, same
 order, same pause points as the Python loop. The C is ``csrc/write.c``, built into the
-extension at install (:mod:`flatcake.native_loop`); ``FLATCAKE_NATIVE_WRITE=0`` or an
+extension at install (:mod:`flatcake.native.loops`); ``FLATCAKE_NATIVE_WRITE=0`` or an
 extension not built keeps the Python loop (as do tests that inject faults at ``os.pwritev``).
 """
 
@@ -24,7 +24,7 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-from flatcake.native_loop import NativeLoop, entry
+from flatcake.native.loops import NativeLoop, entry
 
 
 def _build():
@@ -39,7 +39,7 @@ LOOP = NativeLoop(_build, "FLATCAKE_NATIVE_WRITE", "write queue: a pwritev per p
 
 def warm_up() -> None:
     """Bind the C piece loop, and every other C loop, from the extension (called when a store
-    opens its write queue, so its state is logged then; :func:`flatcake.native_loop.warm_up_all`)."""
+    opens its write queue, so its state is logged then; :func:`flatcake.native.loops.warm_up_all`)."""
     LOOP.warm_up()
 
 
