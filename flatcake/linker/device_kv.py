@@ -7,7 +7,8 @@ linker reads and writes FlatCake pages straight into the device pool through a
 HiCache door stores (``chunk(page, layer)`` = K rows ‖ V rows, or the MLA latent rows), so a page
 is one page whichever door wrote it.
 
-Supported pools (SGLang 0.5.23 ``memory_pool.py``; FULL tree component only):
+Supported pools (SGLang 0.5.23 ``memory_pool.py``): the FULL pool, and the ``swa_kv_pool`` of an
+``SWAKVPool`` (Mamba state rows: :mod:`flatcake.linker.hybrid_pools`):
 
 =================== ============================================ ===============================
 pool                buffers                                      planes per layer

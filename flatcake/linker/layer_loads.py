@@ -45,12 +45,14 @@ class QueuedLoad:
         keys: page keys (tail-relative: page 0 is the request's first page not on the device).
         page_ids: device page numbers, one per key.
         queued_s: ``time.monotonic()`` when it was queued (seconds; HRRN's wait).
+        extras: ``(pool name, keys, device page ids)`` per SWA / Mamba transfer (hybrid models).
     """
 
     rid: str
     keys: tuple
     page_ids: tuple
     queued_s: float
+    extras: tuple = ()
 
 
 @dataclass
@@ -80,6 +82,17 @@ class LoadBatch:
     def page_ids(self) -> list:
         """Every destination device page of the batch, in read order."""
         return [p for ld in self.loads for p in ld.page_ids]
+
+    def pool_pages(self, name: str) -> tuple[list, list]:
+        """``(keys, device page ids)`` of extra pool ``name`` (``"swa"``, ``"mamba"``) over the
+        batch, in read order."""
+        keys, ids = [], []
+        for ld in self.loads:
+            for pool, k, p in ld.extras:
+                if pool == name:
+                    keys.extend(k)
+                    ids.extend(p)
+        return keys, ids
 
 
 def mas_order(loads: Sequence[QueuedLoad], ssd_bytes_of: Callable[[Sequence[str]], int],

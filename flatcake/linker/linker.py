@@ -47,7 +47,6 @@ from typing import Optional
 
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig, PoolName, PoolTransfer
-from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
 from sglang.srt.mem_cache.unified_cache.unified_cache_linker import LayerWiseLoadCounter, UnifiedCacheLinker
 from sglang.srt.utils import get_device_module
 
@@ -56,9 +55,11 @@ from flatcake.adapter.identity import (base_identity, expand_advertise, expand_s
                                        rank_port_offset, rank_values, sglang_replica)
 from flatcake.adapter.startup import check_file_bytes
 from flatcake.adapter.storage import make_namespace
-from flatcake.config import FlatCakeConfig, config_from_extra
+from flatcake.adapter.v2 import TP_SHARDED_POOLS, capacity_weight, pool_config, pool_key
 from flatcake.common.errorlog import ErrorLog
+from flatcake.config import FlatCakeConfig, config_from_extra
 from flatcake.linker.device_kv import DeviceKv, device_kv_of, page_ids_of
+from flatcake.linker.hybrid_pools import LINKER_COMPONENTS, LinkerPool, plan_pools, restorable_lengths
 from flatcake.linker.layer_loads import (LinkerLoadError, LoadBatch, QueuedLoad, first_unlanded, layer_groups,
                                          mas_order, monotonic)
 from flatcake.linker.sessions import SessionChains
@@ -69,8 +70,8 @@ from flatcake.store.page_store import PageStore
 log = logging.getLogger("flatcake.linker")
 device_module = get_device_module()
 
-#: tree components this linker restores (SWA and Mamba state pages are not stored by this door)
-SUPPORTED_COMPONENTS = frozenset({ComponentType.FULL})
+#: tree components this linker restores (``docs/linker.md``, "Components")
+SUPPORTED_COMPONENTS = LINKER_COMPONENTS
 
 
 class FlatCakeLinker(UnifiedCacheLinker):
@@ -81,13 +82,15 @@ class FlatCakeLinker(UnifiedCacheLinker):
         params: SGLang's ``CacheInitParams``: ``page_size``, ``token_to_kv_pool_allocator``
             (its ``get_kvcache()`` is the device pool), ``tp_cache_group`` /
             ``attn_tp_cache_group``, ``pp_rank`` / ``pp_size``, ``attn_cp_rank`` / ``attn_cp_size``.
-        components: the tree's components (``{ComponentType.FULL}``).
+        components: the tree's components: FULL, + SWA (``SWAKVPool``), + MAMBA (``HybridLinearKVPool``
+            / ``SWAKVPool`` with ``req_to_token_pool.mamba_pool``); :mod:`flatcake.linker.hybrid_pools`.
         extra_config: FlatCake's configuration (``linker_extra_config``: the HiCache door's keys).
         forward_stream: the stream the forward writes the device pools on (None: the current one).
 
     Raises:
-        ValueError: a tree component other than FULL (named).
-        flatcake.common.layout.UnsupportedLayoutError: a device pool other than MHA / MLA (named).
+        flatcake.linker.hybrid_pools.UnsupportedComponentError (a ValueError): a component or
+            combination this linker cannot restore (named, with the reason).
+        flatcake.common.layout.UnsupportedLayoutError: a FULL / SWA device pool other than MHA / MLA (named).
         flatcake.config.ConfigError: unknown key or bad value (the field named).
         flatcake.media.errors.SsdStartupError: ``ssd.path`` cannot be created or written.
     """
@@ -95,13 +98,15 @@ class FlatCakeLinker(UnifiedCacheLinker):
     def __init__(self, server_args, params, *, components=None, extra_config=None, forward_stream=None):
         self.forward_stream = forward_stream
         self.page_size = int(params.page_size)
-        unsupported = set(components or {ComponentType.FULL}) - SUPPORTED_COMPONENTS
-        if unsupported:
-            names = ", ".join(sorted(getattr(c, "name", str(c)) for c in unsupported))
-            raise ValueError(f"FlatCakeLinker restores FULL attention KV only; unsupported tree components: {names}")
-        self.device: DeviceKv = device_kv_of(params.token_to_kv_pool_allocator.get_kvcache(), self.page_size)
-        self.pools = {PoolName.KV: self.device.pool}
-        self.num_layers = self.device.num_layers
+        plan = plan_pools(params.token_to_kv_pool_allocator.get_kvcache(), params, components, self.page_size)
+        self.device: DeviceKv = device_kv_of(plan.full_pool, self.page_size)
+        #: the SWA / Mamba pools (empty for a plain model), each with its own store
+        self.extras: tuple[LinkerPool, ...] = plan.extras
+        self._extra = {p.name: p for p in self.extras}
+        self.pools = {PoolName.KV: self.device.pool, **{PoolName(p.name): p.device_pool for p in self.extras}}
+        self.num_layers = plan.num_layers or self.device.num_layers
+        #: transfer layer -> FULL pool layer
+        self.kv_layers = plan.full_layers if plan.full_layers is not None else {l: l for l in range(self.num_layers)}
         self.storage_config = _storage_config(server_args, params, self.device.is_mla, deepcopy(extra_config or {}))
         self.cfg = linker_config(self.storage_config)
         sc = self.storage_config
@@ -113,10 +118,13 @@ class FlatCakeLinker(UnifiedCacheLinker):
         self.errors: ErrorLog = self.store.errors
         try:  # on a GPU: HBM staging windows and the Triton scatter for restores into the device pools
             self.store.attach_device_restore(self.device.layout.device)
+            self._open_extra_stores()
         except BaseException:
             self._release_store()
             raise
         self.layer_done_counter = LayerWiseLoadCounter(self.num_layers)
+        if plan.state_pool is not None:  # Mamba layers wait on the counter through req_to_token_pool
+            plan.state_pool.register_layer_transfer_counter(self.layer_done_counter)
         self.sessions = SessionChains()
         self._lock = threading.Lock()  # pending loads, completed offloads, stats
         self._pending: dict[str, QueuedLoad] = {}
@@ -129,9 +137,9 @@ class FlatCakeLinker(UnifiedCacheLinker):
         self._offloader = SerialWorker(self._run_offload, lambda job, e: self._offload_done(job, False),
                                        f"flatcake-linker-offload-{tag}")
         self._closed = False
-        log.info("flatcake linker: %s, %d layers, page %d tokens, %s store (%s), namespace %s",
-                 "MLA" if self.device.is_mla else "MHA", self.num_layers, self.page_size,
-                 "own" if self.owns_store else "shared", self.role, self.namespace)
+        log.info("flatcake linker: %s%s, %d layers, page %d tokens, %s store (%s), namespace %s",
+                 "MLA" if self.device.is_mla else "MHA", "".join(f" + {p.name}" for p in self.extras),
+                 self.num_layers, self.page_size, "own" if self.owns_store else "shared", self.role, self.namespace)
 
     # ------------------------------------------------------------------ start-up
     def _open_store(self) -> tuple[PageStore, bool]:
@@ -154,20 +162,64 @@ class FlatCakeLinker(UnifiedCacheLinker):
         rank_store.publish(store)
         return store, True
 
+    def _open_extra_stores(self) -> None:
+        """One store per SWA / Mamba pool beside the KV store, as the HiCache door's v2 interface
+        opens them (:mod:`flatcake.adapter.v2`): namespace = KV's + the pool's name, layout and
+        page bytes (+ the TP rank for a TP-sharded pool beside a replicated MLA KV); capacity
+        scaled by :func:`~flatcake.adapter.v2.capacity_weight`; the pool's pages dropped with
+        every KV scope the KV store frees."""
+        if not self.extras:
+            return
+        sc, kv_g = self.storage_config, self.device.layout.geometry
+        for p in self.extras:
+            g = p.layout.geometry
+            ns = f"{self.namespace}|pool={p.name}|pool_layout={p.layout.name}|pool_page_bytes={g.page_bytes}"
+            role = self.store.role
+            if p.name in TP_SHARDED_POOLS and role != "single":
+                ns += f"|tp={sc.tp_rank}/{sc.tp_size}"
+                role = "single"
+            cfg = pool_config(self.cfg, kv_g.page_bytes, capacity_weight(p.name, g.page_bytes))
+            p.store = PageStore(cfg, g, ns, instance=self.store.instance, role=role,
+                                backlog_budget=getattr(self.store, "backlog_budget", None))
+            p.store.attach_device_restore(p.layout.device)
+        self.store.add_retire_listener(self._retire_extra_pages)
+
+    def _retire_extra_pages(self, keys) -> None:
+        """The KV store freed a scope holding ``keys``: drop the extra pools' scopes holding them."""
+        for p in self.extras:
+            if p.store is not None and not p.store.closed:
+                p.store.drop_keys(keys)
+
     # ------------------------------------------------------------------ lookup
     def lookup(self, rid: str, transfers: list[PoolTransfer]) -> list[int]:
-        """Every prefix length (pages, tail-relative) restorable on this rank: ``[1, ..., n]``
-        for the leading run of ``n`` stored KV pages (FULL attention: every boundary of the run
-        is restorable). ``[]`` on a miss or a fault. Never raises."""
+        """Every prefix length (pages, tail-relative) restorable on this rank, ascending.
+
+        FULL only: ``[1, ..., n]`` for the leading run of ``n`` stored KV pages (every boundary
+        of the run is restorable). With SWA / MAMBA transfers, only the lengths of that run at
+        which every pool is satisfied (:func:`~flatcake.linker.hybrid_pools.restorable_lengths`:
+        SWA the window of pages before the cut stored, MAMBA the state keyed by the cut's last
+        page): a sparse set, since windows and states exist at offloaded node boundaries.
+        ``[]`` on a miss, a transfer for a pool this linker does not store, or a fault. Never raises."""
         try:
             kv = _kv(transfers)
             if kv is None or not kv.keys:
                 return []
-            n = self.store.leading_run(list(kv.keys))
+            keys = list(kv.keys)
+            n = self.store.leading_run(keys)
+            ok = list(range(1, n + 1))
+            for t in transfers:
+                if t.name == PoolName.KV or not ok:
+                    continue
+                p = self._extra.get(pool_key(t.name))
+                if p is None:
+                    self.errors.report("linker lookup", "unknown pool", f"no store for pool {pool_key(t.name)!r}")
+                    return []
+                allowed = restorable_lengths(p.store.exists, keys[:n], t)
+                ok = [m for m in ok if m in allowed]
             with self._lock:
                 self._stats["lookups"] += 1
-                self._stats["lookup_hit_pages"] += n
-            return list(range(1, n + 1))
+                self._stats["lookup_hit_pages"] += ok[-1] if ok else 0
+            return ok
         except Exception as e:
             self.errors("linker lookup", e)
             return []
@@ -187,14 +239,37 @@ class FlatCakeLinker(UnifiedCacheLinker):
                 self.errors("linker load", ValueError(
                     f"device_indices must be {len(kv.keys)} whole page-aligned pages of {self.page_size} slots"))
                 return False
+            extras = self._extra_pages(transfers, "linker load")
+            if extras is None:
+                return False
             with self._lock:
                 if rid in self._pending:
                     return False
-                self._pending[rid] = QueuedLoad(rid, tuple(kv.keys), tuple(ids), monotonic())
+                self._pending[rid] = QueuedLoad(rid, tuple(kv.keys), tuple(ids), monotonic(), extras)
             return True
         except Exception as e:
             self.errors("linker load", e)
             return False
+
+    def _extra_pages(self, transfers, what: str) -> Optional[tuple]:
+        """``((pool name, keys, device page ids), ...)`` of the SWA / Mamba transfers, or None
+        (logged) when one names a pool this linker does not store or its slots are not whole
+        page-aligned pages of that pool."""
+        out = []
+        for t in transfers:
+            if t.name == PoolName.KV or not t.keys:
+                continue
+            p = self._extra.get(pool_key(t.name))
+            if p is None:
+                self.errors.report(what, "unknown pool", f"no store for pool {pool_key(t.name)!r}")
+                return None
+            ids = page_ids_of(t.device_indices, len(t.keys), p.page_size)
+            if ids is None:
+                self.errors(what, ValueError(f"pool {p.name}: device_indices must be {len(t.keys)} whole "
+                                             f"page-aligned pages of {p.page_size} slots"))
+                return None
+            out.append((p.name, tuple(t.keys), tuple(ids)))
+        return tuple(out)
 
     def cancel_queued_load(self, rid: str) -> bool:
         """Drop ``rid``'s load if it has not started; True when one was dropped. Never raises."""
@@ -272,16 +347,46 @@ class FlatCakeLinker(UnifiedCacheLinker):
                 batch.landed_layers.append(layer)
                 counter.complete(index, layer)
 
-        good = self.store.get_layer_wise(keys, self.device.layout, ids, layer_groups(self.num_layers), landed)
+        if self.extras:
+            good, total, pool = self._read_hybrid_batch(batch)
+        else:
+            good, total, pool = (self.store.get_layer_wise(keys, self.device.layout, ids,
+                                                           layer_groups(self.num_layers), landed), len(keys), "kv")
         bad = first_unlanded(batch, self.num_layers)
         if bad is None:
             with self._lock:
                 self._stats["load_pages"] += len(keys)
             return
-        err = LinkerLoadError(f"load batch {index}: layer {bad} did not land ({good} of {len(keys)} pages "
+        what = "pages" if pool == "kv" else f"{pool} pages"
+        err = LinkerLoadError(f"load batch {index}: layer {bad} did not land ({good} of {total} {what} "
                               "stored and read intact)")
         self.errors.report("linker load", "layer failed", str(err))
         counter.fail(index, err)
+
+    def _read_hybrid_batch(self, batch: LoadBatch) -> tuple[int, int, str]:
+        """Read a hybrid batch transfer layer by transfer layer: layer ``L`` is the FULL, SWA or
+        Mamba layer it maps to, read from that pool's store into its device pages, then
+        completed; the first that does not land stops the batch. Returns
+        ``(good, total, pool)`` of the last pool read (the failed one on a fault)."""
+        counter, index = self.layer_done_counter, batch.counter_index
+        sources = [("kv", self.store, self.device.layout, self.kv_layers, batch.keys, batch.page_ids)]
+        for p in self.extras:
+            keys, ids = batch.pool_pages(p.name)
+            if keys:
+                sources.append((p.name, p.store, p.layout, p.layer_map, keys, ids))
+        good, total, name = 0, 0, "kv"
+        for layer in range(self.num_layers):
+            for name, store, layout, layer_map, keys, ids in sources:
+                local = layer_map.get(layer)
+                if local is None:
+                    continue
+                total = len(keys)
+                good = store.get_layer_wise(keys, layout, ids, [range(local, local + 1)], _ignore_group)
+                if good < total:
+                    return good, total, name
+            batch.landed_layers.append(layer)
+            counter.complete(index, layer)
+        return good, total, name
 
     def _crashed_batch(self, batch: LoadBatch, error: BaseException) -> None:
         self.layer_done_counter.fail(batch.counter_index, error)
@@ -302,11 +407,15 @@ class FlatCakeLinker(UnifiedCacheLinker):
                 self.errors("linker offload", ValueError(
                     f"device_indices must be {len(kv.keys)} whole page-aligned pages of {self.page_size} slots"))
                 return False
-            if not self.is_writer:  # an MLA follower rank: the writer rank stores the replicated KV
+            extras = self._extra_pages(transfers, "linker offload")
+            if extras is None:
+                return False
+            extras = tuple(e for e in extras if self._extra[e[0]].store.role != "follower")
+            if not self.is_writer and not extras:  # an MLA follower rank: the writer rank stores the replicated KV
                 self._offload_done(None, True)
                 return True
             events = self.record_offload_ready()  # the forward's writes of these pages, and their indices
-            self._offloader.submit(OffloadJob(list(kv.keys), ids, events, session_id))
+            self._offloader.submit(OffloadJob(list(kv.keys), ids, events, session_id, extras))
             return True
         except Exception as e:
             self.errors("linker offload", e)
@@ -318,10 +427,15 @@ class FlatCakeLinker(UnifiedCacheLinker):
         for ev in job.events:
             ev.synchronize()
         prefix = self.sessions.prefix(job.session_id)
-        ok = all(self.store.put(job.keys, self.device.layout, job.page_ids, prefix))
+        ok = True
+        for name, keys, ids in job.extras:  # the windows / states first: a lookup needs the KV run too
+            p = self._extra[name]
+            ok = all(p.store.put(keys, p.layout, ids, prefix)) and ok
+        if self.is_writer:
+            ok = all(self.store.put(job.keys, self.device.layout, job.page_ids, prefix)) and ok
         if ok:
             self.sessions.extend(job.session_id, job.keys)
-        self._offload_done(job, ok)
+        self._offload_done(job if self.is_writer else None, ok)  # KV pages counted where they were stored
 
     def _offload_done(self, job, ok: bool) -> None:
         with self._lock:
@@ -349,7 +463,7 @@ class FlatCakeLinker(UnifiedCacheLinker):
         ``timeout_s`` seconds on the write queue. Never raises."""
         try:
             self._offloader.join()
-            return self.store.flush_writes(timeout_s)
+            return all([self.store.flush_writes(timeout_s)] + [p.store.flush_writes(timeout_s) for p in self.extras])
         except Exception as e:
             self.errors("linker flush", e)
             return False
@@ -387,7 +501,11 @@ class FlatCakeLinker(UnifiedCacheLinker):
             log.warning("flatcake linker close: %s", e)
 
     def _release_store(self) -> None:
-        """Close the store when this door opened it (a borrowed one stays with its owner)."""
+        """Close the extra pools' stores, and the KV store when this door opened it (a borrowed
+        one stays with its owner)."""
+        for p in getattr(self, "extras", ()):
+            if p.store is not None:
+                p.store.close()
         if self.owns_store:
             rank_store.withdraw(self.store)
             self.store.close()
@@ -410,12 +528,18 @@ class OffloadJob:
         events: :meth:`~UnifiedCacheLinker.record_offload_ready`'s events, waited on before the
             pages are read.
         session_id: the session whose insert produced the pages, or None.
+        extras: ``(pool name, keys, device page ids)`` of the SWA / Mamba transfers this rank stores.
     """
 
     keys: list
     page_ids: list
     events: list
     session_id: Optional[str]
+    extras: tuple = ()
+
+
+def _ignore_group(group, good: int) -> None:
+    """``get_layer_wise``'s per-group callback where the caller completes layers itself."""
 
 
 def _kv(transfers) -> Optional[PoolTransfer]:

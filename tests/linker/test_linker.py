@@ -241,7 +241,7 @@ def test_bad_configuration_fails_at_construction_naming_the_field(ssd_dir):
         make_linker(ssd_dir, "mha", {"cio.gap_bytes": -1})
 
 
-def test_tree_components_other_than_full_are_refused_at_construction(ssd_dir):
+def test_a_swa_component_over_a_plain_kv_pool_is_refused_at_construction(ssd_dir):
     from types import SimpleNamespace
 
     from sglang.srt.mem_cache.unified_cache.linker_factory import create_unified_cache_linker
@@ -251,7 +251,7 @@ def test_tree_components_other_than_full_are_refused_at_construction(ssd_dir):
     params = SimpleNamespace(page_size=PAGE, token_to_kv_pool_allocator=alloc)
     config = {"linker": "FlatCakeLinker", "linker_module_path": "flatcake.linker",
               "linker_extra_config": {"ssd.path": ssd_dir}}
-    with pytest.raises(ValueError, match="SWA"):
+    with pytest.raises(ValueError, match="component SWA needs SGLang's SWAKVPool"):  # test_linker_hybrid.py: SWA
         create_unified_cache_linker(SimpleNamespace(model_path="m"), params, backend="dynamic", config=config,
                                     components={ComponentType.FULL, ComponentType.SWA})
 
