@@ -250,8 +250,12 @@ class SsdConfig(_WatermarkSection):
         return v
 
     def with_paths(self, paths: "list[str] | tuple[str, ...]") -> "SsdConfig":
-        """A validated copy with these drive directories (``paths[0]`` becomes ``path``; not
-        ``model_copy``, which leaves ``paths`` stale). Raises ConfigError naming ``ssd.path``."""
+        """A validated copy with these drive directories (``paths[0]`` becomes ``path``); use it
+        instead of ``model_copy`` (which would leave ``paths`` stale).
+
+        Raises:
+            ConfigError: an empty or repeated entry (names ``ssd.path``).
+        """
         data = self.model_dump(exclude={"path", "paths"})
         try:
             return SsdConfig.model_validate({**data, "path": list(paths)})
@@ -457,7 +461,8 @@ def read_yaml(path: str | Path) -> dict:
 
 
 def _format_validation_error(err: ValidationError, section: str = "") -> str:
-    """One message naming every bad field (``section``: prefix of a section validated alone)."""
+    """One message naming every bad field; ``section`` prefixes the locations of a section
+    validated on its own (``SsdConfig.with_paths``)."""
     lines = []
     for e in err.errors():
         loc = ".".join(str(x) for x in ((section,) if section else ()) + tuple(e["loc"])) or "<root>"
