@@ -4,6 +4,7 @@ copy meanwhile, and are published (journal, SSD index) only once written. No tim
 held with the queue's own read marks or an event inside the restore."""
 
 import errno
+import os
 import threading
 import time
 
@@ -12,11 +13,12 @@ import pytest
 import torch
 from flatcake_testkit import fill_page, make_store, page_matches, put_pages
 
-from flatcake.deferred_round import PreparedRound, write_prepared
+from flatcake.store import native_write
+from flatcake.store.deferred_round import PreparedRound, write_prepared
 from flatcake.gva import journal as jmod
 from flatcake.gva.address import MEDIUM_SSD
-from flatcake.stats import StoreStats, write_rates
-from flatcake.write_queue import MEDIUM_QUEUED, WriteQueue
+from flatcake.store.stats import StoreStats, write_rates
+from flatcake.store.write_queue import MEDIUM_QUEUED, WriteQueue
 
 #: writes wait for reads for as long as a test holds one (the bound on deferral is tested on its own)
 HOLD = {"ssd.write_defer_max_s": 3600.0, "ssd.write_urgent_fraction": 1.0}
@@ -269,7 +271,7 @@ def test_close_drains_the_queue_so_a_warm_restart_serves_it(ssd_dir):
 
 
 def test_close_drops_what_it_cannot_drain_and_a_restart_does_not_find_it(ssd_dir, monkeypatch):
-    import flatcake.backup as backup_mod
+    import flatcake.store.backup as backup_mod
 
     store, pool, lay = make_store(ssd_dir, **BACKLOG)
     keep = keys_of("k")
@@ -545,7 +547,7 @@ def test_a_backlog_past_the_urgent_fraction_is_written_beside_reads_down_to_the_
 
 # ---------------------------------------------------------------- one bound per rank (issue 24 item 3)
 def test_the_pools_of_a_rank_share_one_backlog_bound(ssd_dir):
-    from flatcake.write_queue import BacklogBudget
+    from flatcake.store.write_queue import BacklogBudget
 
     a, pool, lay = make_store(ssd_dir, **BACKLOG)
     a.queue.reads_begin()
@@ -556,7 +558,7 @@ def test_the_pools_of_a_rank_share_one_backlog_bound(ssd_dir):
     budget = BacklogBudget(2 * round_bytes)  # the rank's bound: two rounds, for every pool together
     cfg = {**BACKLOG, "ssd.write_backlog_wait_s": 0.0}
     stores = [make_store(f"{ssd_dir}-{n}", **cfg) for n in ("kv", "indexer", "draft")]
-    from flatcake.store import PageStore
+    from flatcake.store.page_store import PageStore
 
     stores = [(PageStore(s.cfg, s.geometry, s.namespace, backlog_budget=budget), p, l) for (s, p, l) in
               [(st.close() or st, p, l) for st, p, l in stores]]
@@ -575,3 +577,74 @@ def test_the_pools_of_a_rank_share_one_backlog_bound(ssd_dir):
     assert put_pages(dr, dp, dl, keys_of("d"), [0, 1]) == [True, True]
     for s, _, _ in stores:
         s.close()
+
+
+# ---------------------------------------------------------------- a deferred round that opens an extent
+# the extent header travels in the round's first data write (docs/performance.md, "The busy-thread
+# ratio is GIL hand-offs")
+@pytest.mark.parametrize("native", [False, True])
+def test_a_deferred_round_opening_an_extent_writes_the_extent_header_with_its_first_piece(ssd_dir, monkeypatch,
+                                                                                          native):
+    # the extent header block sits right before the round header: one write carries both, the
+    # record still comes last (Python loop: its own write; C piece loop: its last piece); on
+    # disk the header is where a warm restart looks for it
+    from flatcake.media import extent as fmt
+
+    if not native:
+        monkeypatch.setitem(native_write.LOOP.state, "fn", None)
+    elif native_write.LOOP.fn() is None:
+        pytest.skip("extension not built")
+    store, pool, lay = make_store(ssd_dir, **BACKLOG)
+    calls = []
+    real = store.ssd.write
+
+    def write(file_index, offset, buf, generation=None, pwrite=None):
+        calls.append((file_index, offset, len(buf), bytes(memoryview(buf)[:8])))
+        return real(file_index, offset, buf, generation, pwrite)
+
+    store.ssd.write = write
+    assert put_pages(store, pool, lay, keys_of("eh", 3), [0, 1, 2]) == [True] * 3
+    assert store.flush_writes(30)
+    info = store.page_info("eh0")
+    f, first = calls[0][0], calls[0][1]
+    assert calls[0][3] == fmt.EXTENT_MAGIC and calls[0][2] > fmt.BLOCK  # header + round in one write
+    assert all(c[0] == f and c[1] > first for c in calls[1:]) and len(calls) == 1 + (not native)  # the record
+    with open(store.ssd.path_of(f), "rb") as fh:
+        fh.seek(first)
+        hdr = fmt.unpack_extent_header(fh.read(fmt.BLOCK))
+    assert hdr is not None and info.file_index == f
+    assert store.get(keys_of("eh", 3), lay, [10, 11, 12]) == [True] * 3
+    assert all(page_matches(pool, (10 + i) * pool.page_size, k) for i, k in enumerate(keys_of("eh", 3)))
+    store.close()
+    store2, pool2, lay2 = make_store(ssd_dir, **BACKLOG)  # warm restart finds the extent and its round
+    assert store2.get(keys_of("eh", 3), lay2, [0, 1, 2]) == [True] * 3
+    assert all(page_matches(pool2, i * pool2.page_size, k) for i, k in enumerate(keys_of("eh", 3)))
+    store2.close()
+
+
+def test_the_c_piece_loop_writes_in_order_and_stops_between_pieces_while_a_restore_reads(tmp_path):
+    if native_write.LOOP.fn() is None:
+        pytest.skip("extension not built")
+    data = np.random.default_rng(5).integers(0, 256, size=5 * 4096 + 100, dtype=np.uint8)
+    readers = np.ones(1, dtype=np.int64)  # a restore in flight from the start
+    pauses = []
+
+    def between():
+        pauses.append(readers[0])
+        readers[0] = 0  # the restore ended
+
+    off = 8192
+    pw = native_write.piece_writer([off + 4096, off + 3 * 4096], readers, between)
+    fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        mv = memoryview(data)
+        assert pw(fd, mv, off) == 4096 and pauses == [1]  # the first piece, then the pause
+        assert pw(fd, mv[4096:], off + 4096) == data.shape[0] - 4096 and pauses == [1]  # the rest at once
+        with open(tmp_path / "f", "rb") as fh:
+            fh.seek(off)
+            assert fh.read() == data.tobytes()
+        with pytest.raises(OSError) as e:
+            pw(-1, mv, off)
+        assert e.value.errno == 9  # EBADF: the errno of the failed pwrite
+    finally:
+        os.close(fd)

@@ -1,7 +1,7 @@
 """The built extension and the forced fallbacks give the same bits (issue 25): checksums of odd
 sizes at misaligned offsets, and pages written with every C loop and read back with every
 fallback (and the reverse) through a store with its write queue, bit for bit. Each loop's own
-bit-exactness test (tests/cio/, tests/kernels/, tests/test_write_queue_extent.py) also runs it
+bit-exactness test (tests/cio/, tests/kernels/, tests/test_write_queue.py) also runs it
 both ways; here the two sides meet on the same pool files."""
 
 from __future__ import annotations
