@@ -5,6 +5,7 @@
 #   step           command                                           runs (inside the command)        ~time
 #   restore-sweep  bench_restore.py --sweep                           3 passes per cell (+1 warm-up)   14 min
 #   write          bench_write.py                                     3 passes (+1 warm-up)             1 min
+#   write-floor    bench_write_floor.py (writes while restores never stop) 1 run of each mode           1 min
 #   gil            bench_gil.py                                       3 repeats                         1 min
 #   mas            bench_mas.py                                       5 repeats                         2 min
 #   cluster        bench_cluster.py (root, netns, etcd, Mooncake TE)  5 interleaved repeats             2 min
@@ -29,7 +30,7 @@ mkdir -p "$OUT"
 LOG="$OUT/log.txt"
 
 STEPS=("$@")
-[ ${#STEPS[@]} -eq 0 ] && STEPS=(restore-sweep write gil mas cluster serve-bench results)
+[ ${#STEPS[@]} -eq 0 ] && STEPS=(restore-sweep write write-floor gil mas cluster serve-bench results)
 
 load=$(cut -d' ' -f1 /proc/loadavg)
 if [ "${FORCE:-0}" != 1 ] && awk -v l="$load" 'BEGIN{exit !(l > 0.5)}'; then
@@ -41,6 +42,7 @@ cmd_of() {
     case "$1" in
         restore-sweep) echo "$PY scripts/bench_restore.py --sweep --json $OUT/restore-sweep.json" ;;
         write)         echo "$PY scripts/bench_write.py --json $OUT/write.json" ;;
+        write-floor)   echo "$PY scripts/bench_write_floor.py --json $OUT/write-floor.json" ;;
         gil)           echo "$PY scripts/bench_gil.py --json $OUT/gil.json" ;;
         mas)           echo "$PY scripts/bench_mas.py --json $OUT/mas.json" ;;
         cluster)       echo "$PY scripts/bench_cluster.py --json $OUT/cluster.json" ;;
