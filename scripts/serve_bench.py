@@ -21,7 +21,8 @@ from the page cache.
 machine when it is quiet). Full: both traces, three rates, three runs per point (every run and the
 median in the JSON). Output: ``<out>/serve_bench.json`` (and ``--json FILE``), ``summary.md``,
 figures. Timings of a CPU server mean nothing for a GPU: hit counts and the storage share of TTFT
-are what carry over.
+are what carry over. Exit status: 0; 1 when a system's server failed (its reason under the
+trace's ``"failed"``); 2 for bad arguments.
 """
 
 from __future__ import annotations
@@ -532,7 +533,8 @@ def main(argv=None) -> int:
     traces = args.traces.split(",") if args.traces else mode["traces"]
     rates = [float(r) for r in args.rates.split(",")] if args.rates else mode["rates"]
     runs = args.runs or mode["runs"]
-    out = Path(args.out or ROOT / "runs" / ("serve-bench-quick" if args.quick else "serve-bench"))
+    # absolute: the tiny model is written under it and each server is started from another directory
+    out = Path(args.out or ROOT / "runs" / ("serve-bench-quick" if args.quick else "serve-bench")).resolve()
     out.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(out / "work", ignore_errors=True)  # servers' logs, metrics and storage of an earlier run
     (out / "requests.jsonl").unlink(missing_ok=True)
@@ -604,6 +606,10 @@ def main(argv=None) -> int:
     (out / "summary.md").write_text(md)
     print(md)
     log(f"done in {doc['wall_s']:.0f} s: {out / 'serve_bench.json'}")
+    failed = {f"{tr}: {name}" for tr, t in doc["traces"].items() for name in t["failed"]}
+    if failed:  # a system whose server failed is a failed bench, not a skipped one
+        log(f"failed: {', '.join(sorted(failed))}")
+        return 1
     return 0
 
 
