@@ -231,17 +231,10 @@ class FlatCakeLinker(UnifiedCacheLinker):
         pages, its slots are not whole page-aligned pages, ``rid`` is already queued, or the
         linker is closed. Never raises."""
         try:
-            kv = _kv(transfers)
-            if self._closed or kv is None or not kv.keys:
+            pages = self._device_pages(transfers, "linker load")
+            if pages is None:
                 return False
-            ids = page_ids_of(kv.device_indices, len(kv.keys), self.page_size)
-            if ids is None:
-                self.errors("linker load", ValueError(
-                    f"device_indices must be {len(kv.keys)} whole page-aligned pages of {self.page_size} slots"))
-                return False
-            extras = self._extra_pages(transfers, "linker load")
-            if extras is None:
-                return False
+            kv, ids, extras = pages
             with self._lock:
                 if rid in self._pending:
                     return False
@@ -250,6 +243,21 @@ class FlatCakeLinker(UnifiedCacheLinker):
         except Exception as e:
             self.errors("linker load", e)
             return False
+
+    def _device_pages(self, transfers, what: str) -> Optional[tuple]:
+        """``(kv transfer, KV device page ids, extra pools' pages)`` of a load's or an offload's
+        transfers, or None when the linker is closed, there is no KV page, or some slots are not
+        whole page-aligned pages (that last logged under ``what``)."""
+        kv = _kv(transfers)
+        if self._closed or kv is None or not kv.keys:
+            return None
+        ids = page_ids_of(kv.device_indices, len(kv.keys), self.page_size)
+        if ids is None:
+            self.errors(what, ValueError(
+                f"device_indices must be {len(kv.keys)} whole page-aligned pages of {self.page_size} slots"))
+            return None
+        extras = self._extra_pages(transfers, what)
+        return None if extras is None else (kv, ids, extras)
 
     def _extra_pages(self, transfers, what: str) -> Optional[tuple]:
         """``((pool name, keys, device page ids), ...)`` of the SWA / Mamba transfers, or None
@@ -399,17 +407,10 @@ class FlatCakeLinker(UnifiedCacheLinker):
         events. False (nothing queued, nothing counted) when the transfer has no KV pages, its
         slots are not whole pages, or the linker is closed. Never raises."""
         try:
-            kv = _kv(transfers)
-            if self._closed or kv is None or not kv.keys:
+            pages = self._device_pages(transfers, "linker offload")
+            if pages is None:
                 return False
-            ids = page_ids_of(kv.device_indices, len(kv.keys), self.page_size)
-            if ids is None:
-                self.errors("linker offload", ValueError(
-                    f"device_indices must be {len(kv.keys)} whole page-aligned pages of {self.page_size} slots"))
-                return False
-            extras = self._extra_pages(transfers, "linker offload")
-            if extras is None:
-                return False
+            kv, ids, extras = pages
             extras = tuple(e for e in extras if self._extra[e[0]].store.role != "follower")
             if not self.is_writer and not extras:  # an MLA follower rank: the writer rank stores the replicated KV
                 self._offload_done(None, True)
