@@ -44,7 +44,7 @@ def source_hash(csrc: Path) -> str:
 setup(ext_modules=[Extension(
     "flatcake._native",
     sources=[f"{CSRC}/{s}" for s in SOURCES],
-    depends=[f"{CSRC}/{h}" for h in ("fc_common.h", "fc_copy.h", "fc_plan.h")],
+    depends=[f"{CSRC}/{h}" for h in ("fc_common.h", "fc_api.h", "fc_copy.h", "fc_plan.h")],
     include_dirs=[CSRC],
     define_macros=[("FC_SOURCE_HASH", f'"{source_hash(HERE / CSRC)}"')],
     extra_compile_args=["-O3", "-pthread", "-fvisibility=hidden", "-std=gnu11"],

@@ -15,6 +15,7 @@
 #include <string.h>
 
 #include "fc_common.h"
+#include "fc_api.h"
 
 #if defined(__x86_64__) && !defined(__clang__) && __GNUC__ >= 11 && !defined(__SANITIZE_ADDRESS__)
 #define FC_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))

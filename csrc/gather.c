@@ -10,6 +10,7 @@
 #include <string.h>
 
 #include "fc_common.h"
+#include "fc_api.h"
 
 typedef void (*fcds_fn)(const uint8_t *, const int64_t *, int64_t, int64_t, uint64_t *);
 

@@ -33,6 +33,7 @@
 #include <unistd.h>
 
 #include "fc_common.h"
+#include "fc_api.h"
 #include "fc_copy.h"
 
 #define MAX_THREADS 1024

@@ -21,6 +21,7 @@
 #include <stdlib.h>
 
 #include "fc_common.h"
+#include "fc_api.h"
 #include "fc_plan.h"
 
 typedef struct { const int64_t *f, *o, *t; } keys_t;

@@ -20,6 +20,7 @@
 #include <unistd.h>
 
 #include "fc_common.h"
+#include "fc_api.h"
 #include "fc_copy.h"
 
 typedef struct {

@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include "fc_common.h"
+#include "fc_api.h"
 
 FC_API int64_t fc_write_pieces(int64_t fd, int64_t addr, int64_t off, int64_t n, const int64_t *ends, int64_t nends,
                                const volatile int64_t *readers) {

@@ -7,6 +7,7 @@
 #include <string.h>
 
 #include "fc_common.h"
+#include "fc_api.h"
 
 FC_API void fc_xxh3_at(void *fn, const uint8_t *base, const int64_t *starts, int64_t n, int64_t len, uint64_t *out) {
     fc_xxh3_fn f = (fc_xxh3_fn)fn;

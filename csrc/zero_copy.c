@@ -26,6 +26,7 @@
 #include <unistd.h>
 
 #include "fc_common.h"
+#include "fc_api.h"
 #include "fc_plan.h"
 
 typedef struct { void *(*create)(void); int (*release)(void *); int (*reset)(void *);

@@ -3,8 +3,8 @@
  * Built twice by tests/native/: under the sanitizers (the plain loop) and at -O3 without them
  * (the variant chosen at load: AVX2 / AVX-512 where the machine has them). */
 #include "fc_test.h"
+#include "fc_api.h"
 
-void fc_fcds_at(const uint8_t *base, const int64_t *starts, int64_t n, int64_t len, uint64_t *out);
 
 static uint64_t ref(const uint8_t *p, int64_t len) {
     uint32_t a = 0, b = 0;

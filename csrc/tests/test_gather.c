@@ -2,11 +2,8 @@
  * chunk's hash and device checksum; token-strided planes (page_first) and contiguous ones,
  * odd row sizes, one-token pages, no pages. Checked against a gather done here byte by byte. */
 #include "fc_test.h"
+#include "fc_api.h"
 
-void fc_gather_hash(void *xh, void *fh, uint8_t *out, int64_t n, int64_t L, int64_t J, int64_t P,
-                    const int64_t *pages, const int64_t *base, const int64_t *s0, const int64_t *s1,
-                    const int64_t *plane_off, const int64_t *plane_rb, int64_t cb, uint64_t *sums, uint64_t *dev);
-void fc_fcds_at(const uint8_t *base, const int64_t *starts, int64_t n, int64_t len, uint64_t *out);
 
 /* one case: L layers, 2 planes of rb0 / rb1 bytes per token, P tokens per page, npages pages in
    the pool; strided: token rows of all pages interleaved (row stride npages * rb), else each

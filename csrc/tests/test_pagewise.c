@@ -3,14 +3,8 @@
  * segments (the restore's fc_copy_rows, streaming stores on and off, misaligned rows); no jobs,
  * one-byte jobs, a job past the end of its file (short, no copy), a descriptor not open. */
 #include "fc_test.h"
+#include "fc_api.h"
 
-int64_t fc_pagewise_read(int64_t n, const int64_t *fd, const int64_t *off, const int64_t *len, const int64_t *dst,
-                         int64_t *got, int64_t *err, int64_t nthreads);
-int64_t fc_pagewise_read_copy(int64_t n, const int64_t *fd, const int64_t *off, const int64_t *len,
-                              int64_t *got, int64_t *err, int64_t nthreads, int64_t bounce, int64_t bounce_stride,
-                              const int64_t *seg_start, const int64_t *seg_src, const int64_t *seg_dst,
-                              const int64_t *seg_rows, const int64_t *seg_row_bytes, const int64_t *seg_dst_stride,
-                              int64_t nt);
 
 enum { N = 24, JOB = 4160 };
 

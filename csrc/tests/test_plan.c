@@ -3,13 +3,8 @@
  * piece at the right file bytes, straddling chunks over consecutive pieces, pieces aligned,
  * batches within the staging capacity; and its refusals (-2, -3). */
 #include "fc_test.h"
+#include "fc_api.h"
 
-int64_t fc_restore_plan(int64_t n, const int64_t *file, const int64_t *off, const int64_t *tag,
-                        const int64_t *layer, int64_t cb, int64_t gap, int64_t max_io, int64_t align,
-                        int64_t capacity, int64_t workers, int64_t min_piece, int64_t buf0, int64_t buf1,
-                        int64_t *pfile, int64_t *poff, int64_t *plen, int64_t *paddr, int64_t *pbatch,
-                        int64_t *own_lo, int64_t *rest_lo, int64_t *rest_hi, int64_t *cb0, int64_t *bbase,
-                        int64_t *ck0, int64_t *ck1, int64_t *cidx, int64_t *left, uint8_t *cstatus, int64_t *out);
 
 typedef struct {
     int64_t *pfile, *poff, *plen, *paddr, *pbatch, *own_lo, *rest_lo, *rest_hi, *cb0, *bbase, *ck0, *ck1, *cidx,

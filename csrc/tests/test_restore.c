@@ -6,23 +6,8 @@
 #include <sched.h>
 
 #include "fc_test.h"
+#include "fc_api.h"
 
-int64_t fc_restore_plan(int64_t n, const int64_t *file, const int64_t *off, const int64_t *tag,
-                        const int64_t *layer, int64_t cb, int64_t gap, int64_t max_io, int64_t align,
-                        int64_t capacity, int64_t workers, int64_t min_piece, int64_t buf0, int64_t buf1,
-                        int64_t *pfile, int64_t *poff, int64_t *plen, int64_t *paddr, int64_t *pbatch,
-                        int64_t *own_lo, int64_t *rest_lo, int64_t *rest_hi, int64_t *cb0, int64_t *bbase,
-                        int64_t *ck0, int64_t *ck1, int64_t *cidx, int64_t *left, uint8_t *cstatus, int64_t *out);
-int64_t fc_restore_run(void *h, int64_t direct, int64_t nthreads, int64_t cpu_threads,
-                       int64_t np, const int64_t *pfd, const int64_t *poff, const int64_t *plen,
-                       const int64_t *paddr, const int64_t *pbatch, int64_t *pgot, int64_t *perr,
-                       int64_t nb, const int64_t *own_lo, const int64_t *rest_lo, const int64_t *rest_hi,
-                       const int64_t *cb0, const int64_t *bbase, const int64_t *ck0, const int64_t *ck1,
-                       const int64_t *cidx, const int64_t *page, const int64_t *layer,
-                       const uint64_t *want, const uint8_t *has, int64_t verify,
-                       int64_t cb, int64_t J, int64_t P, const int64_t *plane_off, const int64_t *plane_rb,
-                       const int64_t *tb, const int64_t *ts0, const int64_t *ts1, uint8_t *cstatus,
-                       int64_t *left, uint8_t *done, int64_t idle, int64_t nt);
 
 enum { N = 40, L = 2, J = 2, P = 16, PAGES = 24, RB0 = 64, RB1 = 128, CB = (RB0 + RB1) * P };
 

@@ -1,9 +1,8 @@
 /* fc_write_pieces (csrc/write.c): every byte lands where asked, in pieces, pausing only when a
  * restore waits; empty, one byte, odd sizes, a misaligned buffer, a far offset, a bad fd. */
 #include "fc_test.h"
+#include "fc_api.h"
 
-int64_t fc_write_pieces(int64_t fd, int64_t addr, int64_t off, int64_t n, const int64_t *ends, int64_t nends,
-                        const volatile int64_t *readers);
 
 static void expect_file(int fd, const uint8_t *want, int64_t n, int64_t off) {
     uint8_t *got = malloc((size_t)n + 1);

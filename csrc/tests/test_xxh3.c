@@ -1,10 +1,8 @@
 /* fc_xxh3_at / fc_xxh3_copy (csrc/xxh3.c): the hash of each chunk, with any hash function by
  * address; empty, zero-length and one-byte chunks, misaligned starts, mismatches left alone. */
 #include "fc_test.h"
+#include "fc_api.h"
 
-void fc_xxh3_at(void *fn, const uint8_t *base, const int64_t *starts, int64_t n, int64_t len, uint64_t *out);
-void fc_xxh3_copy(void *fn, const uint8_t *base, const int64_t *starts, int64_t n, int64_t len,
-                  const uint64_t *want, uint8_t *dst, const int64_t *dst_at, int8_t *state);
 
 int main(void) {
     void *h = (void *)(intptr_t)fnv;

@@ -4,15 +4,8 @@
  * files, one thread and many, SCHED_IDLE threads, a far offset; a wrong checksum (status 2), a
  * chunk past the end of its file and a file not open (status 1); the refusals (-2, -4). */
 #include "fc_test.h"
+#include "fc_api.h"
 
-int64_t fc_zc_run(const int64_t *hfn, int64_t direct, int64_t nthreads, int64_t cpu_threads, int64_t idle,
-                  int64_t n, const int64_t *file, const int64_t *off, const int64_t *tag, const int64_t *page,
-                  const int64_t *layer, const uint64_t *want, const uint8_t *has, int64_t verify,
-                  const int64_t *fdmap, int64_t nfd, int64_t cb, int64_t gap, int64_t max_io, int64_t align,
-                  int64_t workers, int64_t min_piece, int64_t J, int64_t P, const int64_t *plane_off,
-                  const int64_t *plane_rb, const int64_t *tb, const int64_t *ts0,
-                  int64_t *ord, int64_t *pfd, int64_t *pfile, int64_t *poff, int64_t *plen, int64_t *plo,
-                  int64_t *pgot, int64_t *perr, uint8_t *cstatus, int64_t *out);
 
 enum { N = 30, L = 2, P = 8, PAGES = 20, ALIGN = 512 };
 
