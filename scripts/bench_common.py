@@ -14,6 +14,18 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 
+def setup_process(torch_threads: int) -> None:
+    """What every storage bench does first in ``main``: WARNING-level logging for FlatCake's and
+    SGLang's loggers, and ``torch_threads`` intra-op threads for torch (0: torch's default)."""
+    import logging
+
+    import torch
+
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if torch_threads > 0:
+        torch.set_num_threads(torch_threads)
+
+
 def median_of(runs: Sequence[dict], field: str, value: str, *path: str) -> float:
     """Median of ``run[path[0]][path[1]]...`` over the runs whose ``run[field] == value``."""
     vals = []

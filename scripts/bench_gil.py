@@ -55,7 +55,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import logging
 import os
 import random
 import shutil
@@ -73,7 +72,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
-from bench_common import PROFILES, cpu_seconds, drop_tree, flatcake_backend, make_host_pool, percentile, write_json  # noqa: E402
+from bench_common import (PROFILES, cpu_seconds, drop_tree, flatcake_backend, make_host_pool, percentile,  # noqa: E402
+                          setup_process, write_json)
 from flatcake.config import STORAGE_BATCH_PAGES  # noqa: E402
 from flatcake.common.layout import SUPPORTED_LAYOUTS  # noqa: E402
 
@@ -406,9 +406,7 @@ def run_line(r: dict) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    if args.torch_threads > 0:
-        torch.set_num_threads(args.torch_threads)
+    setup_process(args.torch_threads)
     if args.switch_interval_ms is not None:
         sys.setswitchinterval(args.switch_interval_ms / 1e3)
     t0 = time.perf_counter()

@@ -65,7 +65,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import random
 import shutil
@@ -83,7 +82,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from bench_common import (PROFILES, FioRead, cpu_seconds, drop_tree, flatcake_backend, make_host_pool,  # noqa: E402
-                          pool_digest, prefaulted)
+                          pool_digest, prefaulted, setup_process)
 from fio_limit import ratio_to_fio  # noqa: E402
 from native.pagewise import PagewiseReader, Segments  # noqa: E402
 from flatcake.common.align import align_up  # noqa: E402
@@ -617,9 +616,7 @@ def run_cell(args, argv, reader: PagewiseReader, profile: str, page_size, layout
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    if args.torch_threads > 0:
-        torch.set_num_threads(args.torch_threads)
+    setup_process(args.torch_threads)
     t0 = time.perf_counter()
     reader = PagewiseReader(args.io_workers)  # compiled once, before any clock
     if reader.why:

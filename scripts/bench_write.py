@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import random
 import shutil
@@ -64,7 +63,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
-from bench_common import PROFILES, aligned, cpu_seconds, flatcake_backend, make_host_pool, write_json  # noqa: E402
+from bench_common import PROFILES, aligned, cpu_seconds, flatcake_backend, make_host_pool, setup_process, write_json  # noqa: E402
 from fio_limit import IODEPTH, fio_limit, ratio_to_fio  # noqa: E402
 from flatcake.common.align import align_up  # noqa: E402
 from flatcake.config import STORAGE_BATCH_PAGES  # noqa: E402
@@ -256,9 +255,7 @@ def summarize(passes: list[dict], names: list[str]) -> dict:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    if args.torch_threads > 0:
-        torch.set_num_threads(args.torch_threads)
+    setup_process(args.torch_threads)
     t0 = time.perf_counter()
     b = WriteBench(args)
     names = args.names

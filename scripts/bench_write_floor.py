@@ -34,8 +34,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
-import os
 import shutil
 import sys
 import tempfile
@@ -48,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
-from bench_common import PROFILES, flatcake_backend, make_host_pool, percentile, write_json  # noqa: E402
+from bench_common import PROFILES, flatcake_backend, make_host_pool, percentile, setup_process, write_json  # noqa: E402
 from flatcake.config import STORAGE_BATCH_PAGES  # noqa: E402
 
 MODES = ("no_readers", "readers")
@@ -184,9 +182,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    if args.torch_threads > 0:
-        torch.set_num_threads(args.torch_threads)
+    setup_process(args.torch_threads)
     t0 = time.perf_counter()
     b = FloorBench(args)
     print(f"profile {args.profile}: page {b.P} tokens = {b.page_bytes} B; read set {b.R} pages, session {b.W} pages, "
