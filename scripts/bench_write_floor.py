@@ -22,12 +22,17 @@ Reported per mode: ``write_gb_per_s`` (session bytes / first put to drained), ``
 deadline the first round waits), pages stored of pages put, the restore rate during the write
 (and alone, before it, in ``readers``), and the queue's deferral distribution (submit to write
 start: p50, p99, max over the rounds) with ``write_urgent_rounds``. ``floor_ratio`` is
-``readers`` over ``no_readers`` write rate.
+``readers`` over ``no_readers`` write rate, taken within one repeat (the two modes run back to
+back); ``--repeats`` (decided before running, default 3) repeats the pair, each run is reported
+and the top-level ratios are the medians over the repeats.
 
     python scripts/bench_write_floor.py --write-mib 512 --read-mib 256 --json runs/bench/write_floor.json
 
-``--json FILE`` writes ``{"config": {...}, "modes": {"no_readers": {...}, "readers": {...}},
-"floor_ratio": x, "drain_floor_ratio": x}``.
+``--json FILE`` writes ``{"config": {...}, "runs": [{"modes": {...}, "floor_ratio": x,
+"drain_floor_ratio": x}, ...], "modes": {"no_readers": {...}, "readers": {...}}, "floor_ratio": x,
+"drain_floor_ratio": x}``: ``runs`` every repeat in order; ``floor_ratio`` and
+``drain_floor_ratio`` their medians; ``modes`` the repeat whose ``floor_ratio`` is the median (the
+lower middle one for an even count).
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import statistics
 import sys
 import tempfile
 import threading
@@ -171,12 +177,14 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "in the FC-MAS SSD lane, store.reads_pending, as on a loaded server: no gap, every write "
                          "is one the bound made urgent)")
     ap.add_argument("--torch-threads", type=int, default=1, help="torch intra-op threads (default 1)")
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="times the pair of modes runs, each reported, medians on top (default 3)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dir", default=None, help="parent of the scratch directory on the disk under test (default /tmp)")
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args(argv)
-    if args.write_mib < 1 or args.read_mib < 1 or args.readers < 1:
-        ap.error("--write-mib, --read-mib and --readers must be >= 1")
+    if args.write_mib < 1 or args.read_mib < 1 or args.readers < 1 or args.repeats < 1:
+        ap.error("--write-mib, --read-mib, --readers and --repeats must be >= 1")
     return args
 
 
@@ -187,24 +195,37 @@ def main(argv=None) -> int:
     b = FloorBench(args)
     print(f"profile {args.profile}: page {b.P} tokens = {b.page_bytes} B; read set {b.R} pages, session {b.W} pages, "
           f"{args.readers} reader(s); dir {b.dir}")
-    modes = {}
+    runs = []
     try:
-        for mode in MODES:
-            m = modes[mode] = b.run(mode)
-            print(f"{mode}: write {m['write_gb_per_s']:.3f} GB/s (drain {m['drain_gb_per_s']:.3f}), "
-                  f"{m['pages_stored']}/{m['pages_put']} pages stored, deferral p50 {m['deferral_p50_s']:.3f} s "
-                  f"p99 {m['deferral_p99_s']:.3f} s max {m['deferral_max_s']:.3f} s, urgent rounds "
-                  f"{m['write_urgent_rounds']}/{m['rounds']}"
-                  + (f"; restores {m['restore_gb_per_s_during_write']:.3f} GB/s during the write, "
-                     f"{m['restore_gb_per_s_alone']:.3f} alone" if mode == "readers" else ""))
+        for k in range(args.repeats):
+            modes = {}
+            for mode in MODES:
+                m = modes[mode] = b.run(mode)
+                print(f"run {k + 1}/{args.repeats} {mode}: write {m['write_gb_per_s']:.3f} GB/s "
+                      f"(drain {m['drain_gb_per_s']:.3f}), {m['pages_stored']}/{m['pages_put']} pages stored, "
+                      f"deferral p50 {m['deferral_p50_s']:.3f} s p99 {m['deferral_p99_s']:.3f} s max "
+                      f"{m['deferral_max_s']:.3f} s, urgent rounds {m['write_urgent_rounds']}/{m['rounds']}"
+                      + (f"; restores {m['restore_gb_per_s_during_write']:.3f} GB/s during the write, "
+                         f"{m['restore_gb_per_s_alone']:.3f} alone" if mode == "readers" else ""))
+            runs.append({"modes": modes,
+                         "floor_ratio": modes["readers"]["write_gb_per_s"] / modes["no_readers"]["write_gb_per_s"],
+                         "drain_floor_ratio": modes["readers"]["drain_gb_per_s"] / modes["no_readers"]["drain_gb_per_s"]})
+            print(f"run {k + 1}/{args.repeats}: floor ratio {runs[-1]['floor_ratio']:.3f}, "
+                  f"drain floor ratio {runs[-1]['drain_floor_ratio']:.3f}")
     finally:
         b.close()
+    by_ratio = sorted(runs, key=lambda r: r["floor_ratio"])
+    mid = by_ratio[(len(runs) - 1) // 2]
     out = {"config": {"profile": args.profile, "page_bytes": b.page_bytes, "write_mib": args.write_mib,
                       "read_mib": args.read_mib, "readers": args.readers, "gaps": args.gaps, "dram": "off",
-                      **{k: modes["readers"][k] for k in ("write_defer_max_s", "write_urgent_fraction", "backlog_limit_bytes")}},
-           "modes": modes,
-           "floor_ratio": modes["readers"]["write_gb_per_s"] / modes["no_readers"]["write_gb_per_s"],
-           "drain_floor_ratio": modes["readers"]["drain_gb_per_s"] / modes["no_readers"]["drain_gb_per_s"]}
+                      "repeats": args.repeats,
+                      **{k: mid["modes"]["readers"][k]
+                         for k in ("write_defer_max_s", "write_urgent_fraction", "backlog_limit_bytes")}},
+           "runs": runs, "modes": mid["modes"],
+           "floor_ratio": statistics.median(r["floor_ratio"] for r in runs),
+           "drain_floor_ratio": statistics.median(r["drain_floor_ratio"] for r in runs)}
+    print(f"floor ratio per run {[round(r['floor_ratio'], 3) for r in runs]}, drain floor ratio per run "
+          f"{[round(r['drain_floor_ratio'], 3) for r in runs]}; medians:")
     print(json.dumps({k: out[k] for k in ("floor_ratio", "drain_floor_ratio")}))
     print(f"runtime {time.perf_counter() - t0:.0f} s; command: "
           f"{' '.join(['bench_write_floor.py'] + (argv if argv is not None else sys.argv[1:]))}")

@@ -5,16 +5,18 @@
 #   step           command                                           runs (inside the command)        ~time
 #   restore-sweep  bench_restore.py --sweep                           3 passes per cell (+1 warm-up)   14 min
 #   write          bench_write.py                                     3 passes (+1 warm-up)             1 min
-#   write-floor    bench_write_floor.py (writes while restores never stop) 1 run of each mode           1 min
+#   write-floor    bench_write_floor.py (writes while restores never stop) 3 repeats of both modes      2 min
 #   gil            bench_gil.py                                       3 repeats                         1 min
-#   mas            bench_mas.py                                       5 repeats                         2 min
+#   mas            bench_mas.py --qps 20 (the default 40 overloads 2 cores) 5 repeats                   3 min
 #   cluster        bench_cluster.py (root, netns, etcd, Mooncake TE)  5 interleaved repeats             2 min
-#   serve-bench    serve_bench.py (full: 6 systems, 2 traces, 3 rates) 3 runs per point                 90 min
+#   linker         bench_linker.py (the direct L3 linker, layer-wise)  3 repeats per cell                1 min
+#   serve-bench-weka      serve_bench.py --traces weka (full: 5 systems, 2 and 4 req/s) 3 runs per point  45 min
+#   serve-bench-mooncake  serve_bench.py --traces mooncake (the same)                 3 runs per point  25 min
 #   results        results.py (full)                                  1 run (hit rates are              60 min
 #                                                                     deterministic; TTFT one run)
 #
 # Every bench reports each run and the median, and its disk limit (fio) from the same window.
-# Needs a quiet machine: nothing else running for the ~2.9 h (the script refuses to start when the
+# Needs a quiet machine: nothing else running for the ~2.7 h (the script refuses to start when the
 # 1-minute load average is above 0.5, unless FORCE=1). Writes runs/measure-<UTC date>/: log.txt
 # (each command, start, end, exit status), <step>.out (its output) and the JSON files; the storage
 # files of every step are removed by the step itself.
@@ -30,7 +32,7 @@ mkdir -p "$OUT"
 LOG="$OUT/log.txt"
 
 STEPS=("$@")
-[ ${#STEPS[@]} -eq 0 ] && STEPS=(restore-sweep write write-floor gil mas cluster serve-bench results)
+[ ${#STEPS[@]} -eq 0 ] && STEPS=(restore-sweep write write-floor gil mas cluster linker serve-bench-weka serve-bench-mooncake results)
 
 load=$(cut -d' ' -f1 /proc/loadavg)
 if [ "${FORCE:-0}" != 1 ] && awk -v l="$load" 'BEGIN{exit !(l > 0.5)}'; then
@@ -44,9 +46,12 @@ cmd_of() {
         write)         echo "$PY scripts/bench_write.py --json $OUT/write.json" ;;
         write-floor)   echo "$PY scripts/bench_write_floor.py --json $OUT/write-floor.json" ;;
         gil)           echo "$PY scripts/bench_gil.py --json $OUT/gil.json" ;;
-        mas)           echo "$PY scripts/bench_mas.py --json $OUT/mas.json" ;;
+        mas)           echo "$PY scripts/bench_mas.py --qps 20 --json $OUT/mas.json" ;;
         cluster)       echo "$PY scripts/bench_cluster.py --json $OUT/cluster.json" ;;
-        serve-bench)   echo "$PY scripts/serve_bench.py --out $OUT/serve-bench --json $OUT/serve-bench.json" ;;
+        linker)        echo "$PY scripts/bench_linker.py --repeat 3 --out $OUT/linker.json" ;;
+        serve-bench-weka|serve-bench-mooncake)
+                       t=${1#serve-bench-}
+                       echo "$PY scripts/serve_bench.py --traces $t --out $OUT/serve-bench-$t --json $OUT/serve-bench-$t.json" ;;
         results)       echo "$PY scripts/results.py --out $OUT/results" ;;
         *) return 1 ;;
     esac
