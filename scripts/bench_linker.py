@@ -12,7 +12,7 @@ is usable long before the whole prefix has landed, so prefill starts under the r
 
 Prints one JSON object (and writes it to ``--out`` when given): the shape, and per page size and
 layout (``mha``, ``mla``) a :class:`linker_restore.LinkerRestore` record, each the median-time run
-of ``--repeat``.
+of ``--repeat`` (``repeats``: every run's times, rate and bit-exactness, in the order run).
 """
 
 from __future__ import annotations
@@ -54,13 +54,16 @@ def main(argv=None) -> int:
                 runs = [measure(kind, work, device="cpu", pages=pages, page_size=page_size, layers=args.layers,
                                 heads=args.heads, head_dim=args.head_dim if kind == "mha" else 576, seed=r)
                         for r in range(args.repeat)]
+                each = [{k: r.as_dict()[k] for k in ("t_layer0_s", "t_total_s", "gb_per_s", "bit_exact")} for r in runs]
                 runs.sort(key=lambda r: r.t_total_s)
                 median = runs[len(runs) // 2].as_dict()
                 median["all_bit_exact"] = all(r.bit_exact for r in runs)
+                median["repeats"] = each  # every run, in the order run; the cell's figures are the median's
                 res["runs"].append(median)
                 print(f"page {page_size:>3} {kind}: layer 0 usable {median['t_layer0_s'] * 1e3:8.2f} ms of "
                       f"{median['t_total_s'] * 1e3:8.2f} ms ({median['layer0_fraction']:.2f}), "
-                      f"{median['gb_per_s']:.2f} GB/s, bit-exact {median['all_bit_exact']}", file=sys.stderr)
+                      f"{median['gb_per_s']:.2f} GB/s (runs {', '.join(format(e['gb_per_s'], '.2f') for e in each)}), "
+                      f"bit-exact {median['all_bit_exact']}", file=sys.stderr)
     finally:
         if args.workdir is None:
             try:

@@ -59,7 +59,8 @@ def main(argv=None) -> int:
     ap.add_argument("--config", help="replace every slice's config (default: each slice's own, see SLICES)")
     args = ap.parse_args(argv)
     kind = "quick" if args.quick else "full"
-    out = Path(args.out or ROOT / "runs" / ("results-quick" if args.quick else "results"))
+    # absolute: the slices' storage directories are under it (Mooncake's client refuses a relative one)
+    out = Path(args.out or ROOT / "runs" / ("results-quick" if args.quick else "results")).resolve()
     out.mkdir(parents=True, exist_ok=True)
     collected, worst, t0 = {}, 0, time.monotonic()
     for name, (trace, config, flags) in SLICES[kind].items():

@@ -96,6 +96,24 @@ def test_mooncake_serves_the_same_hits_as_flatcake_bit_exact_and_leaves_nothing(
 
 
 @needs_mooncake
+def test_a_relative_out_dir_reaches_mooncakes_client_as_an_absolute_path(tmp_path, mooncake_path, monkeypatch):
+    """``--out runs/x`` (as ``scripts/measure_all.sh`` passes it): Mooncake's client refuses a
+    relative storage path ("Invalid FileStorage configuration") and the whole replay exited 2
+    before the fix; now every system's directory is resolved under the working directory."""
+    cfg = _config(tmp_path, 32)
+    monkeypatch.chdir(tmp_path)
+    rc = main(["--trace", str(mooncake_path), "--config", cfg, "--systems", "flatcake,mooncake",
+               "--out", "rel/o", "--no-progress"])
+    assert rc == 0
+    s = json.loads((tmp_path / "rel" / "o" / "summary.json").read_text())
+    fc, mc = s["systems"]["flatcake"], s["systems"]["mooncake"]
+    assert mc["hit_tokens"]["dram"] == sum(fc["hit_tokens"][m] for m in ("dram", "backlog", "ssd")) == 47 * PAGE
+    assert mc["written_pages"] == fc["written_pages"] > 0 and mc["verify_failures"] == 0
+    assert not (tmp_path / "rel" / "o" / "mooncake-ssd").exists()
+    assert _leftovers() == ([], [])
+
+
+@needs_mooncake
 def test_past_its_dram_segment_mooncake_offloads_and_reads_back_from_ssd(tmp_path, mooncake_path):
     # 512 KiB pages: the ~40 written pages (20 MiB) exceed the 16 MiB DRAM segment; 1 MiB buckets
     # (the default 256 MB bucket would wait for more pages); served at 1 req/s so the client's

@@ -46,4 +46,6 @@ def test_bench_linker_writes_one_run_per_page_size_and_layout(tmp_path, capsys):
     assert [(r["page_size"], r["kind"], r["pages"]) for r in res["runs"]] == [
         (16, "mha", 4), (16, "mla", 4), (32, "mha", 2), (32, "mla", 2)]
     assert all(r["all_bit_exact"] and r["landed_pages"] == r["pages"] for r in res["runs"])
+    assert all(r["repeats"] == [{k: r[k] for k in ("t_layer0_s", "t_total_s", "gb_per_s", "bit_exact")}]
+               for r in res["runs"])  # one repeat: every run reported, and it is the median
     assert os.listdir(tmp_path / "w") == []
