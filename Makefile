@@ -73,7 +73,7 @@ serve-bench-quick: venv
 serve-bench: venv
 	$(VPY) scripts/serve_bench.py --json runs/serve-bench/summary.json
 
-# the full re-measurement, every bench and the replay, run counts decided in the script (~2.7 h, a quiet machine)
+# the full re-measurement, every bench and the replay, run counts decided in the script (~2.2 h, a quiet machine)
 measure: venv fio
 	scripts/measure_all.sh
 

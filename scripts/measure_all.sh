@@ -10,13 +10,13 @@
 #   mas            bench_mas.py --qps 20 (the default 40 overloads 2 cores) 5 repeats                   3 min
 #   cluster        bench_cluster.py (root, netns, etcd, Mooncake TE)  5 interleaved repeats             2 min
 #   linker         bench_linker.py (the direct L3 linker, layer-wise)  3 repeats per cell                1 min
-#   serve-bench-weka      serve_bench.py --traces weka (full: 5 systems, 2 and 4 req/s) 3 runs per point  45 min
-#   serve-bench-mooncake  serve_bench.py --traces mooncake (the same)                 3 runs per point  25 min
-#   results        results.py (full)                                  1 run (hit rates are              60 min
+#   serve-bench-weka      serve_bench.py --traces weka (full: 5 systems, 2 and 4 req/s) 3 runs per point  28 min
+#   serve-bench-mooncake  serve_bench.py --traces mooncake (the same)                 3 runs per point  24 min
+#   results        results.py (full)                                  1 run (hit rates are              56 min
 #                                                                     deterministic; TTFT one run)
 #
 # Every bench reports each run and the median, and its disk limit (fio) from the same window.
-# Needs a quiet machine: nothing else running for the ~2.7 h (the script refuses to start when the
+# Needs a quiet machine: nothing else running for the ~2.2 h (the script refuses to start when the
 # 1-minute load average is above 0.5, unless FORCE=1). Writes runs/measure-<UTC date>/: log.txt
 # (each command, start, end, exit status), <step>.out (its output) and the JSON files; the storage
 # files of every step are removed by the step itself.
