@@ -59,8 +59,7 @@ def main(argv=None) -> int:
     ap.add_argument("--config", help="replace every slice's config (default: each slice's own, see SLICES)")
     args = ap.parse_args(argv)
     kind = "quick" if args.quick else "full"
-    # absolute: the slices' storage directories are under it (Mooncake's client refuses a relative one)
-    out = Path(args.out or ROOT / "runs" / ("results-quick" if args.quick else "results")).resolve()
+    out = Path(args.out or ROOT / "runs" / ("results-quick" if args.quick else "results"))
     out.mkdir(parents=True, exist_ok=True)
     collected, worst, t0 = {}, 0, time.monotonic()
     for name, (trace, config, flags) in SLICES[kind].items():

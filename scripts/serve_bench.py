@@ -75,7 +75,7 @@ MODES: Dict[str, Dict[str, Any]] = {
 }
 #: the systems both modes run by default: every one but ``flatcake-hostcache`` (FlatCake behind
 #: SGLang's host tier, a variant: ``--systems`` runs it), so --quick stays under 10 minutes and the
-#: full mode near 70 minutes (the five systems of issue 23)
+#: full mode near 55 minutes (the five systems of issue 23)
 DEFAULT_SYSTEMS = tuple(s for s in SYSTEMS if s != "flatcake-hostcache")
 #: compression of the gaps between a conversation's turns (WEKA: a median 13 s; Mooncake prefix
 #: groups: a median 123 s); a turn still waits for the previous answer

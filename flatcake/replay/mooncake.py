@@ -344,7 +344,7 @@ class MooncakeSystem(L3System):
         from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 
         self.opts = check_extra(extra or {})  # the one merge over DEFAULTS, validated
-        self.root = Path(root).resolve()  # the client refuses a relative storage_filepath
+        self.root = Path(root).resolve()  # the client refuses a relative storage_filepath (--out runs/x)
         self.root.mkdir(parents=True, exist_ok=True)
         self.segment_bytes = max(int(dram_bytes), MIN_SEGMENT_BYTES)
         self.master = MooncakeMaster(self.opts, self.root.parent / "mooncake-master.log").start()

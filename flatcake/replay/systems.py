@@ -417,12 +417,7 @@ def make_system(name: str, profile: ModelProfile, host_pool_pages: int, out_dir:
     FlatCake's write backlog is counted in that DRAM budget: FlatCake is built with
     ``dram.capacity_bytes − ssd.write_backlog_bytes``
     (:func:`~flatcake.replay.budget.flatcake_keys_at_equal_capacity`, ``ValueError`` when the
-    backlog is larger); without it (benchmarks, the cluster replay's nodes) with its keys as given.
-
-    ``out_dir`` may be relative (``--out runs/x``): it is made absolute first, since Mooncake's
-    client refuses a relative storage path ("Invalid FileStorage configuration") and every
-    system's directory should name the same place whatever the process's working directory."""
-    out_dir = Path(out_dir).resolve()
+    backlog is larger); without it (benchmarks, the cluster replay's nodes) with its keys as given."""
     pool = profile.make_host_pool(host_pool_pages)
     if name in ("dram-only", "recompute"):
         from flatcake.replay.baselines import DramOnlySystem, RecomputeSystem
